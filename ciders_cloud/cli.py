@@ -1,0 +1,109 @@
+"""``ciders-cloud``: prepare a run, distill its learnable backbone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ciders_edge.cli_utils import run_command
+from ciders_edge.demo_data import write_demo_data
+from ciders_edge.lora import LoraSettings
+from ciders_edge.profiles import load_profile
+from ciders_edge.progress import console
+
+from .config import RunConfig, TakdConfig
+from .prepare import distill as distill_run
+from .prepare import prepare as prepare_run
+
+app = typer.Typer(
+    help="CIDERS cloud: prepare models, distill, ship AdapEmu bundles.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
+
+
+@app.command()
+def prepare(
+    out: Annotated[Path, typer.Option(help="New run folder.")],
+    public_data: Annotated[Path, typer.Option(help="Public JSONL data for TAKD.")],
+    model: Annotated[str, typer.Option(help="smollm2-135m, tiny, a local HF folder or a hub id.")] = "smollm2-135m",
+    profile: Annotated[list[str] | None, typer.Option(help="Device profile (repeatable); one bundle each.")] = None,
+    messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a (default: first profile's).")] = None,
+    drop_ratio: Annotated[float | None, typer.Option(help="1 - beta (default: first profile's).")] = None,
+    align_steps: Annotated[int, typer.Option(help="Bootstrap TAKD steps before round 0 (0 allowed).")] = 20,
+    takd_lr: Annotated[float | None, typer.Option(help="TAKD learning rate.")] = None,
+    takd_batch_size: Annotated[int | None, typer.Option(help="TAKD batch size.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="TAKD sequence length.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for LoRA init and data order.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Split the model (Algorithm 1), align the learnable backbone by TAKD, write one bundle per profile."""
+
+    def body() -> dict:
+        profiles = profile or ["cpu-laptop"]
+        first = load_profile(profiles[0])
+        run = RunConfig(
+            model=model,
+            profiles=profiles,
+            messenger_depth=messenger_depth if messenger_depth is not None else first.messenger_depth,
+            drop_ratio=drop_ratio if drop_ratio is not None else first.drop_ratio,
+            public_data=str(public_data),
+            align_steps=align_steps,
+            seed=seed,
+            lora=LoraSettings(rank=first.lora_rank).to_dict(),
+            takd=TakdConfig().replace(lr=takd_lr, batch_size=takd_batch_size, seq_len=seq_len).to_dict(),
+        )
+        return prepare_run(run, out)
+
+    run_command(body, as_json, _render)
+
+
+@app.command()
+def distill(
+    run: Annotated[Path, typer.Option(help="Run folder made by `prepare`.")],
+    steps: Annotated[int, typer.Option(help="TAKD steps to add, warm-started.")] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """Continue TAKD of the learnable backbone and re-ship the current round's bundles."""
+    run_command(lambda: distill_run(run, steps), as_json, _render)
+
+
+@app.command("demo-data")
+def demo_data(
+    out: Annotated[Path, typer.Option(help="Folder for {family}/{train,public,eval}.jsonl and public.jsonl.")],
+    n_train: Annotated[int, typer.Option(help="Training records per family.")] = 200,
+    n_public: Annotated[int, typer.Option(help="Public (TAKD) records per family.")] = 100,
+    n_eval: Annotated[int, typer.Option(help="Evaluation records per family.")] = 50,
+    seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate the embedded demo data: five task families with exact-match answers."""
+
+    def body() -> dict:
+        paths = write_demo_data(out, n_train, n_public, n_eval, seed)
+        return {"out": str(out), "files": {k: str(v) for k, v in paths.items()}}
+
+    run_command(body, as_json, lambda s: console.print(f"[green]✓[/] {len(s['files'])} files under {s['out']}"))
+
+
+def _render(s: dict) -> None:
+    table = Table(title=f"run {s['run']}", show_header=False)
+    table.add_row("model", f"{s['model']} ({s['n']} layers, messenger {s['messenger_depth']})")
+    table.add_row("kept layers", f"{len(s['kept_layers'])}: {s['kept_layers']}")
+    if s["takd_first"]:
+        first, last = s["takd_first"], s["takd_last"]
+        for k in ("loss", "hidden_mse", "kl", "ce"):
+            table.add_row(f"TAKD {k}", f"{first[k]:.4f} → {last[k]:.4f}  ({s['takd_steps']} steps)")
+    for name, path in s["bundles"].items():
+        table.add_row(f"bundle {name}", path)
+    console.print(table)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,114 @@
+"""Server state (v, c, every c_i, backbone LoRA, TAKD optimizer, RNG, round), saved per round.
+
+Written as one directory swapped in atomically, so a crash leaves the previous round whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ciders_edge.atomic import replace_dir, write_json, write_safetensors
+from ciders_edge.errors import StateError
+
+__all__ = ["ServerState", "optimizer_to_tensors", "optimizer_from_tensors"]
+
+STATE_JSON = "state.json"
+MESSENGER = "messenger_lora.safetensors"
+BACKBONE = "backbone_lora.safetensors"
+CONSENSUS = "consensus.safetensors"
+CLIENTS = "client_consensus.safetensors"
+OPTIM = "takd_optimizer.safetensors"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ServerState:
+    """The cloud's view of the federation after ``round`` completed rounds."""
+
+    round: int
+    messenger: dict[str, torch.Tensor]  # v, the global messenger LoRA
+    backbone: dict[str, torch.Tensor]  # learnable-backbone LoRA (TAKD)
+    consensus: dict[str, torch.Tensor]  # c
+    clients: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # c_i by client id
+    optimizer: dict[str, torch.Tensor] = field(default_factory=dict)  # TAKD AdamW moments
+    takd_step: int = 0
+    rng: dict = field(default_factory=dict)  # torch/python RNG states, JSON-able
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            write_safetensors(staging / MESSENGER, self.messenger)
+            write_safetensors(staging / BACKBONE, self.backbone)
+            write_safetensors(staging / CONSENSUS, self.consensus)
+            flat = {f"{cid}/{k}": v for cid, st in self.clients.items() for k, v in st.items()}
+            write_safetensors(staging / CLIENTS, flat)
+            write_safetensors(staging / OPTIM, self.optimizer)
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "round": self.round,
+                "takd_step": self.takd_step,
+                "clients": sorted(self.clients),
+                "rng": self.rng,
+            }
+            write_json(staging / STATE_JSON, meta)
+            replace_dir(staging, path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServerState:
+        path = Path(path)
+        try:
+            meta = json.loads((path / STATE_JSON).read_text())
+            tensors = {name: load_file(path / name) for name in (MESSENGER, BACKBONE, CONSENSUS, CLIENTS, OPTIM)}
+        except FileNotFoundError as err:
+            raise StateError(f"{path}: server state incomplete ({Path(err.filename).name} missing)") from None
+        except (json.JSONDecodeError, OSError, ValueError) as err:
+            raise StateError(f"{path}: server state corrupt ({err})") from None
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise StateError(f"{path}: server state format {meta.get('format_version')} is not supported")
+        clients: dict[str, dict[str, torch.Tensor]] = {cid: {} for cid in meta["clients"]}
+        for key, v in tensors[CLIENTS].items():
+            cid, name = key.split("/", 1)
+            clients[cid][name] = v
+        return cls(
+            meta["round"],
+            tensors[MESSENGER],
+            tensors[BACKBONE],
+            tensors[CONSENSUS],
+            clients,
+            tensors[OPTIM],
+            meta["takd_step"],
+            meta.get("rng", {}),
+        )
+
+
+def optimizer_to_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW's per-parameter moments as ``"{index}.{name}"`` tensors (no pickling)."""
+    out = {}
+    for idx, st in opt.state_dict()["state"].items():
+        for name, v in st.items():
+            out[f"{idx}.{name}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """Restore moments saved by :func:`optimizer_to_tensors` into ``opt`` (same parameter order)."""
+    if not tensors:
+        return
+    sd = opt.state_dict()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    sd["state"] = state
+    opt.load_state_dict(sd)

@@ -1,0 +1,71 @@
+"""Crash-safe writes: temp file + fsync + rename, so readers see the old file or the new one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+__all__ = ["write_bytes", "write_json", "write_safetensors", "replace_dir", "fsync_dir"]
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry so a rename inside it survives a power cut."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_json(path: str | Path, obj: object) -> None:
+    """Write ``obj`` as indented, key-sorted JSON atomically."""
+    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_safetensors(
+    path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    """Write tensors in safetensors format atomically (contiguous CPU copies, inputs untouched)."""
+    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    write_bytes(path, save(flat, metadata=metadata))
+
+
+def replace_dir(staging: Path, target: Path) -> None:
+    """Move a fully written ``staging`` directory into place as ``target``.
+
+    An existing ``target`` is renamed aside first and removed only after the swap, so a crash
+    leaves either the old directory or the new one (plus, at worst, a stale ``.old`` folder).
+    """
+    old = target.with_name(f".{target.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    fsync_dir(target.parent)
+    if old.exists():
+        shutil.rmtree(old)

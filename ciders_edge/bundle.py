@@ -1,0 +1,208 @@
+"""AdapEmu bundles (DESIGN §3): the compact model and round state the cloud ships to edges.
+
+A bundle is a directory whose ``manifest.json`` records the split, LoRA configs, round
+hyperparameters, the producer's versions and the sha256 of every other file. :meth:`Bundle.load`
+verifies every checksum before anything is read; weights are safetensors only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from . import __version__
+from .atomic import fsync_dir, replace_dir, write_json, write_safetensors
+from .errors import BundleError
+
+__all__ = ["Bundle", "BundleContents", "MANIFEST", "sha256_file", "producer_versions"]
+
+FORMAT = "ciders-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+BACKBONE_FILE = "backbone.safetensors"
+MESSENGER_FILE = "messenger.safetensors"
+ADAPTER_DIR = "adapter"  # global messenger LoRA v, PEFT format
+BACKBONE_ADAPTER_DIR = "backbone_adapter"  # learnable-backbone LoRA from TAKD, PEFT format
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+CONSENSUS_FILE = "consensus.safetensors"
+FROZEN_FILES = (BACKBONE_FILE, MESSENGER_FILE)  # shared between rounds by hard link
+
+
+def sha256_file(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def producer_versions() -> dict[str, str]:
+    import peft
+    import transformers
+
+    return {
+        "ciders": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+    }
+
+
+@dataclass
+class BundleContents:
+    """Everything that goes into a bundle, in memory."""
+
+    manifest: dict  # format-independent fields: round, split, lora, hyperparameters, ...
+    config: object  # the AdapEmu's transformers config
+    tokenizer: object
+    generation_config: object
+    base_weights: dict[str, torch.Tensor]  # AdapEmu weights without LoRA
+    messenger_lora: dict[str, torch.Tensor]
+    messenger_peft_config: object  # peft.LoraConfig
+    backbone_lora: dict[str, torch.Tensor]
+    backbone_peft_config: object
+    consensus: dict[str, torch.Tensor]
+
+
+class Bundle:
+    """A verified bundle on disk."""
+
+    def __init__(self, path: Path, manifest: dict, bundle_id: str) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.bundle_id = bundle_id  # sha256 of manifest.json: names this exact bundle in packets
+
+    @property
+    def round(self) -> int:
+        return int(self.manifest["round"])
+
+    @classmethod
+    def load(cls, path: str | Path) -> Bundle:
+        """Open a bundle, verifying the manifest and the checksum of every file.
+
+        Raises:
+            BundleError: a file is missing, changed, or the manifest is not a bundle's.
+        """
+        path = Path(path)
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            raise BundleError(f"{path}: not a bundle (no {MANIFEST})")
+        raw = mpath.read_bytes()
+        try:
+            manifest = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise BundleError(f"{mpath}: corrupt manifest ({err.msg})") from None
+        _validate_manifest(manifest, mpath)
+        for rel, digest in manifest["files"].items():
+            f = path / rel
+            if not f.is_file():
+                raise BundleError(f"{f}: missing from the bundle")
+            if sha256_file(f) != digest:
+                raise BundleError(f"{f}: checksum mismatch (the file is corrupt or was changed)")
+        return cls(path, manifest, hashlib.sha256(raw).hexdigest())
+
+    @classmethod
+    def save(cls, out: str | Path, contents: BundleContents, previous: Bundle | None = None) -> Bundle:
+        """Write a bundle atomically; frozen files equal to ``previous``'s are hard-linked, not rewritten."""
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            _write_contents(staging, contents, previous)
+            files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+            manifest = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                **contents.manifest,
+                "producer": producer_versions(),
+                "special_tokens": {
+                    "bos": contents.tokenizer.bos_token_id,
+                    "eos": contents.tokenizer.eos_token_id,
+                    "pad": contents.tokenizer.pad_token_id,
+                },
+                "files": files,
+            }
+            write_json(staging / MANIFEST, manifest)
+            replace_dir(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return cls.load(out)
+
+    def tensors(self, rel: str) -> dict[str, torch.Tensor]:
+        return load_file(self.path / rel)
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        return {**self.tensors(BACKBONE_FILE), **self.tensors(MESSENGER_FILE)}
+
+    def messenger_lora(self) -> dict[str, torch.Tensor]:
+        return self.tensors(f"{ADAPTER_DIR}/{PEFT_WEIGHTS}")
+
+    def backbone_lora(self) -> dict[str, torch.Tensor]:
+        return self.tensors(f"{BACKBONE_ADAPTER_DIR}/{PEFT_WEIGHTS}")
+
+    def consensus(self) -> dict[str, torch.Tensor]:
+        return self.tensors(CONSENSUS_FILE)
+
+
+def _validate_manifest(m: object, where: Path) -> None:
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise BundleError(f"{where}: not a CIDERS bundle manifest")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise BundleError(
+            f"{where}: bundle format version {m.get('format_version')} is not supported (expected {FORMAT_VERSION})"
+        )
+    for key in ("round", "split", "files", "lora", "hyperparameters"):
+        if key not in m:
+            raise BundleError(f"{where}: manifest lacks {key!r}")
+
+
+def _write_contents(d: Path, c: BundleContents, previous: Bundle | None) -> None:
+    n_kept = len(c.manifest["split"]["kept"])
+    backbone, messenger = _split_weights(c.base_weights, n_kept)
+    for rel, tensors in ((BACKBONE_FILE, backbone), (MESSENGER_FILE, messenger)):
+        if not _link_if_unchanged(d / rel, tensors, previous, rel):
+            write_safetensors(d / rel, tensors)
+    c.config.save_pretrained(d)
+    c.generation_config.save_pretrained(d)
+    c.tokenizer.save_pretrained(d)
+    for sub, state, cfg in (
+        (ADAPTER_DIR, c.messenger_lora, c.messenger_peft_config),
+        (BACKBONE_ADAPTER_DIR, c.backbone_lora, c.backbone_peft_config),
+    ):
+        write_safetensors(d / sub / PEFT_WEIGHTS, state)
+        cfg.save_pretrained(d / sub)
+    write_safetensors(d / CONSENSUS_FILE, c.consensus)
+    fsync_dir(d)
+
+
+def _split_weights(weights: dict[str, torch.Tensor], n_kept: int) -> tuple[dict, dict]:
+    """Embeddings and layers < n_kept form B_L; the remaining layers, final norm and head form P_M."""
+    backbone, messenger = {}, {}
+    for k, v in weights.items():
+        if k.startswith("model.layers."):
+            (backbone if int(k.split(".")[2]) < n_kept else messenger)[k] = v
+        elif k.startswith("model.embed_tokens."):
+            backbone[k] = v
+        else:
+            messenger[k] = v
+    return backbone, messenger
+
+
+def _link_if_unchanged(target: Path, tensors: dict[str, torch.Tensor], previous: Bundle | None, rel: str) -> bool:
+    """Hard-link ``previous``'s copy of a frozen file when its tensors are identical."""
+    if previous is None:
+        return False
+    src = previous.path / rel
+    old = load_file(src)
+    if old.keys() != tensors.keys() or any(
+        not torch.equal(old[k], tensors[k].to(old[k].dtype)) or old[k].dtype != tensors[k].dtype for k in old
+    ):
+        return False
+    os.link(src, target)
+    return True

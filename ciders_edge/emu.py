@@ -1,0 +1,59 @@
+"""Assemble the AdapEmu from a verified bundle: base weights, backbone LoRA merged, messenger LoRA live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from peft import PeftModel, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers.modeling_utils import no_init_weights
+
+from .bundle import Bundle
+from .errors import BundleError
+from .lora import BACKBONE, MESSENGER, LoraSettings, attach_lora, load_lora_state, peft_config
+from .profiles import DTYPES
+from .split import SplitSpec
+
+__all__ = ["EdgeModel", "load_edge_model"]
+
+
+@dataclass
+class EdgeModel:
+    """What the edge runtime works with."""
+
+    model: PeftModel  # AdapEmu with the messenger LoRA as adapter ``messenger``
+    split: SplitSpec
+    tokenizer: PreTrainedTokenizerBase
+    bundle: Bundle
+
+
+def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None) -> EdgeModel:
+    """Build the AdapEmu of ``bundle``: the backbone LoRA is merged (it is frozen on the edge)."""
+    m = bundle.manifest
+    split = SplitSpec.from_dict(m["split"])
+    dtype = dtype or DTYPES[m["dtype"]]
+    config = AutoConfig.from_pretrained(bundle.path)
+    with no_init_weights():
+        base = AutoModelForCausalLM.from_config(config).to(dtype)
+    weights = bundle.base_weights()
+    missing, unexpected = base.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise BundleError(
+            f"{bundle.path}: weights do not match its config (missing {missing[:2]}, unexpected {unexpected[:2]})"
+        )
+    base.tie_weights()
+    base.generation_config = GenerationConfig.from_pretrained(bundle.path)
+    base = _merge_backbone_lora(base, bundle, split)
+    model = attach_lora(base, split, LoraSettings.from_dict(m["lora"]))
+    load_lora_state(model, {k: v.float() for k, v in bundle.messenger_lora().items()}, MESSENGER)
+    tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)
+    return EdgeModel(model.eval(), split, tok, bundle)
+
+
+def _merge_backbone_lora(base, bundle: Bundle, split: SplitSpec):
+    settings = LoraSettings.from_dict(bundle.manifest["backbone_lora"])
+    wrapped = get_peft_model(base, peft_config(base, settings, list(range(split.n_kept))), adapter_name=BACKBONE)
+    load_lora_state(wrapped, bundle.backbone_lora(), BACKBONE)
+    return wrapped.merge_and_unload()

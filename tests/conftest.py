@@ -1,0 +1,63 @@
+"""Shared fixtures: the `tiny` model, demo data, and one prepared tiny run (built once per session)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from ciders_edge.cli_utils import quiet_libraries  # noqa: E402
+
+quiet_libraries()
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    from ciders_edge.models import resolve_model
+
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_path):
+    from ciders_edge.models import load_model
+
+    return load_model(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_path):
+    from ciders_edge.models import load_tokenizer
+
+    return load_tokenizer(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    from ciders_edge.demo_data import write_demo_data
+
+    out = tmp_path_factory.mktemp("demo")
+    write_demo_data(out, n_train=40, n_public=24, n_eval=8)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, demo_dir):
+    """A prepared run on `tiny`: 8 layers, messenger depth 2, drop ratio 0.5 -> kept [0, 2, 5]."""
+    from ciders_cloud import RunConfig, prepare
+
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    run = RunConfig(
+        model="tiny",
+        profiles=["cpu-laptop"],
+        messenger_depth=2,
+        drop_ratio=0.5,
+        public_data=str(demo_dir / "arithmetic" / "public.jsonl"),
+        align_steps=3,
+        takd={"lr": 3e-3, "batch_size": 4, "seq_len": 128},
+    )
+    summary = prepare(run, out)
+    return out, summary
