@@ -11,7 +11,9 @@ from rich.table import Table
 from .bundle import Bundle
 from .cli_utils import run_command
 from .profiles import GIB, detect_profile, list_profiles, load_profile
-from .progress import console
+from .progress import LazyBar, console
+from .train import read_key
+from .train import train as train_run
 
 app = typer.Typer(
     help="CIDERS edge runtime: train the messenger, infer, export, benchmark.",
@@ -93,6 +95,72 @@ def verify(
             f"[green]✓[/] {s['bundle']}: {s['files']} files verified ({s['bytes'] / GIB * 1024:.1f} MiB), "
             f"round {s['round']}, {s['model']}, {len(s['kept_layers'])} kept layers, "
             f"messenger depth {s['messenger_depth']}, profile {s['profile']}"
+        )
+
+    run_command(body, as_json, render)
+
+
+@app.command()
+def train(
+    bundle: Annotated[Path, typer.Option(help="Bundle folder from the cloud.")],
+    data: Annotated[Path, typer.Option(help="This device's private JSONL data.")],
+    state: Annotated[Path, typer.Option(help="Client state folder (created on first use).")],
+    out: Annotated[Path, typer.Option(help="Where to write the Δc packet.")],
+    profile: Annotated[str | None, typer.Option(help="Device profile name, `auto`, or a .toml path.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Local steps K (default: the bundle's).")] = None,
+    solver: Annotated[str | None, typer.Option(help="fo (first order) or fd (finite-difference HVP).")] = None,
+    codec: Annotated[str, typer.Option(help="Packet codec: fp32 (lossless), bf16 or int8.")] = "fp32",
+    lr: Annotated[float | None, typer.Option(help="Base learning rate eta.")] = None,
+    eta_in: Annotated[float | None, typer.Option(help="Look-ahead step (default: eta).")] = None,
+    gamma: Annotated[float | None, typer.Option(help="Consensus-correction weight gamma_t.")] = None,
+    eps_prox: Annotated[float | None, typer.Option(help="Proximal weight.")] = None,
+    optimizer: Annotated[str | None, typer.Option(help="adamw or sgd.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Mini-batch size.")] = None,
+    grad_accum: Annotated[int | None, typer.Option(help="Micro-batches per step.")] = None,
+    client_id: Annotated[str | None, typer.Option(help="This edge's id (first round only; default: hostname).")] = None,
+    key_file: Annotated[Path | None, typer.Option(help="Client key: packets get an HMAC tag.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train the messenger for one round (CIDERS update) and write the Δc packet."""
+
+    def body() -> dict:
+        overrides = {
+            "local_steps": steps,
+            "solver": solver,
+            "eta": lr,
+            "eta_in": eta_in,
+            "gamma": gamma,
+            "eps_prox": eps_prox,
+            "optimizer": optimizer,
+            "batch_size": batch_size,
+            "grad_accum": grad_accum,
+        }
+        key = read_key(key_file) if key_file else None
+        with LazyBar("local steps") as bar:
+
+            def on_step(m: dict) -> None:
+                extra = f"  r_fd {m['r_fd']:.2e}" if "r_fd" in m else ""
+                bar.update(m["steps"], f"loss {m['loss']:.3f}  |g| {m['grad_norm']:.3f}{extra}")
+
+            return train_run(
+                bundle,
+                data,
+                state,
+                out,
+                profile=profile,
+                codec=codec,
+                client_id=client_id,
+                key=key,
+                overrides=overrides,
+                on_step=on_step,
+            )
+
+    def render(s: dict) -> None:
+        console.print(
+            f"[green]✓[/] round {s['round']} client {s['client_id']}: "
+            f"loss {s['loss_first']:.4f} → {s['loss_last']:.4f} "
+            f"in {s['steps']} {s['solver'].upper()} steps; packet {s['packet']} {s['packet_bytes']:,} bytes "
+            f"({s['codec']}, raw {s['raw_bytes']:,}, {s['raw_bytes'] / s['packet_bytes']:.1f}x)"
         )
 
     run_command(body, as_json, render)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["console", "status", "progress_bar"]
+__all__ = ["console", "status", "progress_bar", "LazyBar"]
 
 console = Console(stderr=True)
 
@@ -31,3 +31,27 @@ def progress_bar() -> Progress:
         TextColumn("{task.fields[metrics]}"),
         console=console,
     )
+
+
+class LazyBar:
+    """A progress bar that appears at its first update, so errors raised before work starts
+    print alone, without an empty bar above them."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self._progress: Progress | None = None
+        self._task = None
+
+    def update(self, total: int | None, metrics: str) -> None:
+        if self._progress is None:
+            self._progress = progress_bar()
+            self._progress.start()
+            self._task = self._progress.add_task(self.description, total=total, metrics="")
+        self._progress.update(self._task, advance=1, total=total, metrics=metrics)
+
+    def __enter__(self) -> LazyBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,214 @@
+"""``ciders-edge train``: one round of the CIDERS edge update on a bundle, ending in a Δc packet.
+
+:func:`train_round` is the I/O-free core that ``simulate`` and the Flower client call too;
+:func:`train` adds the files: bundle, data, state folder, packet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .atomic import write_bytes
+from .bundle import Bundle
+from .config import RoundHyperparams
+from .data import Example, load_examples
+from .emu import EdgeModel, load_edge_model
+from .errors import ConfigError, PacketError, StateError
+from .local import LocalResult, local_update
+from .objective import MessengerObjective
+from .packet import Packet
+from .profiles import DeviceProfile, load_profile
+from .state import METRICS_LOG, ClientState
+from .update import add, norm, reconstruct_displacement
+
+__all__ = ["RoundOutput", "train_round", "train", "round_hyperparams", "pick_device", "read_key"]
+
+
+@dataclass
+class RoundOutput:
+    packet: Packet  # as decoded from ``packet_bytes``: what the cloud will see
+    packet_bytes: bytes
+    state: ClientState  # advanced by the decoded increment
+    result: LocalResult
+    delta_sent: dict  # the displacement the cloud reconstructs from the decoded packet (eq. 11)
+
+
+def round_hyperparams(bundle: Bundle, profile: DeviceProfile | None, overrides: dict) -> RoundHyperparams:
+    """The bundle's round hyperparameters, then the profile's batch shape, then explicit flags."""
+    hp = RoundHyperparams.from_dict(bundle.manifest["hyperparameters"])
+    if profile is not None:
+        hp = hp.replace(batch_size=profile.batch_size, seq_len=profile.seq_len, grad_accum=profile.grad_accum)
+    return hp.replace(**overrides)
+
+
+def pick_device(profile: DeviceProfile | None) -> torch.device:
+    if profile is not None and profile.target in ("cuda", "jetson") and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def check_state(state: ClientState | None, bundle: Bundle) -> None:
+    """Refuse a state made for another model or split, or a bundle older than the state."""
+    if state is None:
+        return
+    m = bundle.manifest
+    model, revision, kept = m["base_model"]["id"], m["base_model"]["revision"], m["split"]["kept"]
+    if state.model_revision != revision or state.kept_layers != kept:
+        raise StateError(
+            f"this state was made for another model or split (model {state.model_revision[:12]}, "
+            f"{len(state.kept_layers)} kept layers); the bundle is {model} {revision[:12]} with {len(kept)} "
+            "kept layers; use a new --state folder"
+        )
+    if bundle.round < state.round:
+        raise StateError(f"bundle round {bundle.round} is older than this state's round {state.round}")
+    if bundle.round == state.round:
+        raise StateError(f"this state already trained round {state.round}; wait for round {state.round + 1}'s bundle")
+
+
+def train_round(
+    edge: EdgeModel,
+    examples: list[Example],
+    state: ClientState | None,
+    hp: RoundHyperparams,
+    *,
+    client_id: str,
+    codec: str = "fp32",
+    key: bytes | None = None,
+    seed: int = 0,
+    on_step: Callable[[dict], None] | None = None,
+) -> RoundOutput:
+    """Run K local steps and encode dc_i; the state advances by the *decoded* increment."""
+    bundle = edge.bundle
+    check_state(state, bundle)
+    v = {k: t.float() for k, t in bundle.messenger_lora().items()}
+    c = {k: t.float() for k, t in bundle.consensus().items()}
+    if state is None:
+        state = ClientState(
+            client_id,
+            bundle.manifest["base_model"]["revision"],
+            bundle.manifest["split"]["kept"],
+            c_i={k: torch.zeros_like(t) for k, t in v.items()},
+        )
+    _check_shapes(state.c_i, v)
+    if state.rng is not None:
+        torch.set_rng_state(state.rng)
+    objective = MessengerObjective(edge, examples, hp.batch_size, hp.grad_accum, _seed(seed, client_id, bundle.round))
+    result = local_update(v, c, state.c_i, objective, hp, on_step)
+    _check_finite(result)
+    losses = [s["loss"] for s in result.steps]
+    metrics = {
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "steps": hp.local_steps,
+        "solver": hp.solver,
+        "dc_norm": norm(result.dc),
+        "delta_norm": norm(result.delta),
+    }
+    data = Packet(client_id, bundle.round, bundle.bundle_id, codec, len(examples), result.dc, metrics).to_bytes(key)
+    packet = Packet.from_bytes(data, key)
+    new_state = ClientState(
+        client_id,
+        state.model_revision,
+        state.kept_layers,
+        bundle.round,
+        bundle.bundle_id,
+        c_i=add(state.c_i, packet.tensors),  # the compression rule: advance by what the cloud decodes
+        personalized=result.x_final,
+        counters={
+            "rounds": state.counters["rounds"] + 1,
+            "steps": state.counters["steps"] + hp.local_steps,
+            "examples_seen": state.counters["examples_seen"] + hp.local_steps * hp.batch_size * hp.grad_accum,
+        },
+        rng=torch.get_rng_state(),
+    )
+    delta_sent = reconstruct_displacement(packet.tensors, state.c_i, c, hp.alpha, hp.gamma)
+    return RoundOutput(packet, data, new_state, result, delta_sent)
+
+
+def train(
+    bundle: str | Path,
+    data: str | Path,
+    state_dir: str | Path,
+    out: str | Path,
+    *,
+    profile: str | None = None,
+    codec: str = "fp32",
+    client_id: str | None = None,
+    key: bytes | None = None,
+    overrides: dict | None = None,
+    on_step: Callable[[dict], None] | None = None,
+) -> dict:
+    """Train one round from files and write the packet, then the state (each atomically)."""
+    b = Bundle.load(bundle)
+    prof = load_profile(profile) if profile else None
+    hp = round_hyperparams(b, prof, overrides or {})
+    state = ClientState.load(state_dir)
+    check_state(state, b)
+    if state is not None and client_id is not None and client_id != state.client_id:
+        raise ConfigError(f"--client-id {client_id!r} differs from the state's {state.client_id!r}")
+    cid = state.client_id if state is not None else client_id or os.uname().nodename
+    edge = load_edge_model(b, prof.torch_dtype if prof else None)
+    edge.model.to(pick_device(prof))
+    examples = load_examples(data, edge.tokenizer, hp.seq_len)
+    out_round = train_round(edge, examples, state, hp, client_id=cid, codec=codec, key=key, on_step=on_step)
+    write_bytes(out, out_round.packet_bytes)
+    out_round.state.save(state_dir)
+    _append_metrics(Path(state_dir) / METRICS_LOG, b.round, out_round.result.steps)
+    p = out_round.packet
+    return {
+        "client_id": cid,
+        "round": b.round,
+        "bundle_id": b.bundle_id,
+        "solver": hp.solver,
+        "codec": codec,
+        "steps": hp.local_steps,
+        "examples": len(examples),
+        "loss_first": p.metrics["loss_first"],
+        "loss_last": p.metrics["loss_last"],
+        "dc_norm": p.metrics["dc_norm"],
+        "c_i_norm": norm(out_round.state.c_i),
+        "raw_bytes": p.raw_bytes,
+        "packet_bytes": len(out_round.packet_bytes),
+        "packet": str(out),
+        "state": str(state_dir),
+    }
+
+
+def read_key(path: Path) -> bytes:
+    """A client key file: its bytes, stripped of surrounding whitespace; at least 16 bytes."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such key file")
+    key = path.read_bytes().strip()
+    if len(key) < 16:
+        raise ConfigError(f"{path}: a client key needs at least 16 bytes, got {len(key)}")
+    return key
+
+
+def _seed(seed: int, client_id: str, round_: int) -> int:
+    """A data-order seed that is the same in every process (unlike ``hash`` of a str)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{client_id}:{round_}".encode()).digest()[:8], "little")
+
+
+def _check_shapes(c_i: dict, v: dict) -> None:
+    if c_i.keys() != v.keys() or any(c_i[k].shape != v[k].shape for k in v):
+        raise StateError("the state's consensus c_i does not match the bundle's messenger LoRA shapes")
+
+
+def _check_finite(result: LocalResult) -> None:
+    for what, tensors in (("delta_c", result.dc), ("personalized messenger", result.x_final)):
+        for name, t in tensors.items():
+            if not torch.isfinite(t).all():
+                raise PacketError(f"non-finite values in {what} tensor {name}; no packet written, state unchanged")
+
+
+def _append_metrics(path: Path, round_: int, steps: list[dict]) -> None:
+    with path.open("a") as f:
+        for s in steps:
+            f.write(json.dumps({"round": round_, **s}) + "\n")
