@@ -1,0 +1,217 @@
+"""Edge training step: CIDERS-FO and -FD against a naive FO step and one plain LoRA step.
+
+    python benchmarks/edge_step.py --bundle RUN/bundles/cpu-laptop/round-0000 --data F.jsonl
+
+Every method runs in its own worker process (so peak RSS is its own), on the same fixed batches,
+one after another in one invocation; times are medians over ``--repeats`` steps after warm-up.
+- ``ciders-fo``: the real edge update (one K=1 call of ``local_update``): frozen backbone once
+  without a graph, the messenger twice (x_k and the look-ahead), LM head on response tokens.
+- ``naive-fo``: the same update done the obvious way: two full forward+backward passes of the
+  AdapEmu with Hugging Face's loss (LM head on every position).
+- ``plain-lora``: one full forward+backward pass and an optimizer step (ordinary LoRA fine-tuning).
+- ``ciders-fd``: the FD solver (two more messenger passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median, write_results  # noqa: E402
+
+METHODS = ("ciders-fo", "naive-fo", "plain-lora", "ciders-fd")
+
+
+def _setup(args):
+    from ciders_edge.bundle import Bundle
+    from ciders_edge.cli_utils import quiet_libraries
+    from ciders_edge.data import load_examples
+    from ciders_edge.emu import load_edge_model
+
+    quiet_libraries()
+    torch.manual_seed(0)
+    edge = load_edge_model(Bundle.load(args.bundle))
+    examples = load_examples(args.data[0], edge.tokenizer, args.seq_len, limit=400)
+    # fixed-length batches: the longest examples, cut to seq_len
+    examples = sorted(examples, key=lambda e: -len(e.input_ids))[: args.batch_size * 4]
+    return edge, examples
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> float:
+    """Reset the peak-RSS mark (Linux ``clear_refs``) so it measures the steps, not the model load."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_mib("VmRSS")
+
+
+def _step_peak(base: float) -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 1024**2
+    return _status_mib("VmHWM") - base
+
+
+def worker(args) -> dict:
+    from ciders_edge.config import RoundHyperparams
+    from ciders_edge.data import collate
+    from ciders_edge.local import local_update
+    from ciders_edge.lora import MESSENGER, lora_parameters
+    from ciders_edge.objective import MessengerObjective
+
+    edge, examples = _setup(args)
+    model = edge.model
+    v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
+    zeros = {k: torch.zeros_like(t) for k, t in v.items()}
+    times = []
+    response = sum(sum(t != -100 for t in e.labels[1:]) for e in examples) / sum(len(e.input_ids) for e in examples)
+    base = _reset_peak()
+    if args.worker.startswith("ciders"):
+        hp = RoundHyperparams(
+            local_steps=1,
+            eta=1e-4,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            solver=args.worker.split("-")[1],
+            warmup_steps=0,
+        )
+        obj = MessengerObjective(edge, examples, args.batch_size, 1, seed=0)
+        for i in range(args.warmup + args.repeats):
+            t0 = time.perf_counter()
+            local_update(v, zeros, zeros, obj, hp)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+    else:
+        params = list(lora_parameters(model, MESSENGER).values())
+        model.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        model.train()
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        batches = [
+            collate(examples[i : i + args.batch_size], edge.tokenizer.pad_token_id)
+            for i in range(0, len(examples), args.batch_size)
+        ]
+        passes = 2 if args.worker == "naive-fo" else 1
+        for i in range(args.warmup + args.repeats):
+            b = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            for _ in range(passes):  # naive FO: grad at x_k, step to the look-ahead, grad there
+                opt.zero_grad(set_to_none=True)
+                model(**b).loss.backward()
+                with torch.no_grad():
+                    snapshot = [p.detach().clone() for p in params] if passes == 2 else None
+                    if snapshot is not None:
+                        for p in params:
+                            p.sub_(1e-4 * p.grad)
+            if snapshot is not None:
+                with torch.no_grad():
+                    for p, s in zip(params, snapshot, strict=True):
+                        p.copy_(s)
+            opt.step()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+    return {
+        "method": args.worker,
+        "step_s": median(times),
+        "steps": len(times),
+        "step_peak_mib": _step_peak(base),
+        "tokens_per_batch": sum(len(e.input_ids) for e in examples) * args.batch_size // len(examples),
+        "response_fraction": response,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--data", required=True, nargs="+", help="One or more JSONL files, each measured in turn.")
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    rows = []
+    for data in args.data:
+        for method in args.methods.split(","):
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                method,
+                "--bundle",
+                args.bundle,
+                "--data",
+                data,
+                "--batch-size",
+                str(args.batch_size),
+                "--seq-len",
+                str(args.seq_len),
+                "--repeats",
+                str(args.repeats),
+                "--warmup",
+                str(args.warmup),
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"worker {method} on {data} failed:\n{out.stderr[-2000:]}")
+            row = {"data": data, **json.loads(out.stdout.strip().splitlines()[-1])}
+            rows.append(row)
+            print(
+                f"{Path(data).parent.name}/{Path(data).name} {method:11s} {row['step_s'] * 1000:8.1f} ms/step  "
+                f"step peak {row['step_peak_mib']:.0f} MiB",
+                file=sys.stderr,
+            )
+    ratios, table = {}, []
+    for data in args.data:
+        by = {r["method"]: r for r in rows if r["data"] == data}
+        fo = by.get("ciders-fo")
+        for m, r in by.items():
+            ratio = fo["step_s"] / r["step_s"] if fo else float("nan")
+            if fo and m != "ciders-fo":
+                ratios[f"{data}: ciders-fo / {m}"] = ratio
+            table.append(
+                [
+                    f"{Path(data).parent.name}/{Path(data).name}",
+                    f"{r['response_fraction']:.2f}",
+                    m,
+                    f"{r['step_s'] * 1000:.1f}",
+                    f"{ratio:.2f}",
+                    f"{r['step_peak_mib']:.0f}",
+                ]
+            )
+    path = write_results(
+        "edge_step",
+        {"batch_size": args.batch_size, "seq_len": args.seq_len, "rows": rows, "ratios": ratios},
+        table,
+        ["data", "response share", "method", "median step (ms)", "ciders-fo / method", "step peak memory (MiB)"],
+        "Targets (issue 3): ciders-fo / naive-fo <= 0.65, ciders-fo / plain-lora <= 1.2. Step peak memory is the "
+        "rise of peak RSS over the loaded model during the timed steps (CUDA: max allocated).",
+    )
+    for k, r in ratios.items():
+        print(f"{k}: {r:.2f}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
