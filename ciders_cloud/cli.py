@@ -16,6 +16,7 @@ from ciders_edge.progress import console
 
 from .config import RunConfig, TakdConfig
 from .prepare import distill as distill_run
+from .rounds import aggregate_files
 from .prepare import prepare as prepare_run
 
 app = typer.Typer(
@@ -72,6 +73,28 @@ def distill(
 ) -> None:
     """Continue TAKD of the learnable backbone and re-ship the current round's bundles."""
     run_command(lambda: distill_run(run, steps), as_json, _render)
+
+
+@app.command()
+def aggregate(
+    run: Annotated[Path, typer.Option(help="Run folder.")],
+    packets: Annotated[list[Path], typer.Option("--packets", help="Δc packets of this round (repeatable).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Close one round: check the packets, reconstruct and aggregate (eq. 11–12), TAKD (eq. 13), ship bundles."""
+
+    def render(s: dict) -> None:
+        if s.get("already_aggregated"):
+            console.print(f"[yellow]round {s['round']} was already aggregated with these packets[/]")
+        console.print(
+            f"[green]✓[/] round {s['round']} ({s['algorithm']}): {len(s['clients'])} clients "
+            f"{', '.join(s['clients'])}; |Δv| {s['v_change']:.3e}, |c| {s['c_norm']:.3e}, "
+            f"{s['takd_steps']} TAKD steps; round {s['next_round']} bundles:"
+        )
+        for name, path in s["bundles"].items():
+            console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
+
+    run_command(lambda: aggregate_files(run, packets), as_json, render)
 
 
 @app.command("demo-data")

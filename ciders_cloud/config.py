@@ -50,6 +50,9 @@ class RunConfig(ConfigMixin):
     backbone_lora: dict = field(default_factory=lambda: LoraSettings(rank=8, alpha=16.0, dropout=0.0).to_dict())
     takd: dict = field(default_factory=lambda: TakdConfig().to_dict())
     hyperparameters: dict = field(default_factory=lambda: RoundHyperparams().to_dict())
+    algorithm: str = "ciders-fo"  # a strategy in ciders_cloud.strategies
+    gamma_schedule: str = "constant"  # constant (hyperparameters.gamma) | protocol-c
+    clients: list[str] = field(default_factory=list)  # accepted client ids; empty: any
 
     def __post_init__(self) -> None:
         if self.messenger_depth < 1:
@@ -60,6 +63,11 @@ class RunConfig(ConfigMixin):
             raise ConfigError(f"`align_steps` must not be negative, got {self.align_steps}.")
         if not self.profiles:
             raise ConfigError("at least one device profile is needed.")
+        if self.gamma_schedule not in ("constant", "protocol-c"):
+            raise ConfigError(f"`gamma_schedule` must be constant or protocol-c, got {self.gamma_schedule!r}.")
+        from .strategies import get_strategy
+
+        get_strategy(self.algorithm)
 
     @property
     def lora_settings(self) -> LoraSettings:

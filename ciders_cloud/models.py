@@ -31,6 +31,10 @@ class CloudModels:
     def messenger_state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in lora_state(self.emu, MESSENGER).items()}
 
+    def load_messenger(self, v: dict[str, torch.Tensor]) -> None:
+        """Hold ``v`` as the messenger LoRA (for TAKD after aggregation)."""
+        load_lora_state(self.emu, v, MESSENGER)
+
     def backbone_state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in lora_state(self.emu, BACKBONE).items()}
 

@@ -14,7 +14,6 @@ from transformers import AutoConfig
 
 from ciders_edge.atomic import write_json
 from ciders_edge.bundle import Bundle, BundleContents, sha256_file
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.data import load_examples
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.lora import peft_config
@@ -24,9 +23,20 @@ from ciders_edge.profiles import DeviceProfile, estimate_memory, load_profile
 from .config import RunConfig
 from .models import CloudModels, build_cloud_models, split_for
 from .state import ServerState
+from .strategies import round_hyperparams_for
 from .takd import Distiller
 
-__all__ = ["prepare", "distill", "write_bundles", "load_run", "RUN_CONFIG", "STATE_DIR", "DISTILL_LOG"]
+__all__ = [
+    "prepare",
+    "distill",
+    "write_bundles",
+    "load_run",
+    "RUN_CONFIG",
+    "STATE_DIR",
+    "DISTILL_LOG",
+    "append_log",
+    "bundle_path",
+]
 
 RUN_CONFIG = "run.json"
 STATE_DIR = "server"
@@ -69,7 +79,7 @@ def prepare(run: RunConfig, out: str | Path) -> dict:
     try:
         write_json(staging / RUN_CONFIG, run.to_dict())
         state.save(staging / STATE_DIR)
-        _append_log(staging / DISTILL_LOG, records)
+        append_log(staging / DISTILL_LOG, records)
         bundles = write_bundles(staging, run, models, state, profiles)
         if out.exists():
             out.rmdir()
@@ -92,7 +102,7 @@ def distill(run_dir: str | Path, steps: int) -> dict:
     state.optimizer = distiller.optimizer_state()
     state.takd_step = distiller.step_count
     state.save(run_dir / STATE_DIR)
-    _append_log(run_dir / DISTILL_LOG, records)
+    append_log(run_dir / DISTILL_LOG, records)
     bundles = write_bundles(run_dir, run, models, state, [load_profile(p) for p in run.profiles])
     return _summary(run_dir, run, models.split, records, bundles)
 
@@ -124,7 +134,7 @@ def write_bundles(
 def _contents(run: RunConfig, models: CloudModels, state: ServerState, profile: DeviceProfile) -> BundleContents:
     emu = models.emu.get_base_model()
     split = models.split
-    hp = RoundHyperparams.from_dict(run.hyperparameters).replace(
+    hp = round_hyperparams_for(run, state.round).replace(
         batch_size=profile.batch_size, seq_len=profile.seq_len, grad_accum=profile.grad_accum
     )
     manifest = {
@@ -175,7 +185,7 @@ def _revision(path: Path) -> str:
     return h.hexdigest()
 
 
-def _append_log(path: Path, records: list[dict]) -> None:
+def append_log(path: Path, records: list[dict]) -> None:
     with path.open("a") as f:
         for rec in records:
             f.write(json.dumps(rec) + "\n")

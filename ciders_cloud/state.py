@@ -40,6 +40,8 @@ class ServerState:
     optimizer: dict[str, torch.Tensor] = field(default_factory=dict)  # TAKD AdamW moments
     takd_step: int = 0
     rng: dict = field(default_factory=dict)  # torch/python RNG states, JSON-able
+    last_round_digests: list[str] = field(default_factory=list)  # sha256 of the packets that made this state
+    last_summary: dict = field(default_factory=dict)  # what that aggregation reported
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -58,6 +60,8 @@ class ServerState:
                 "takd_step": self.takd_step,
                 "clients": sorted(self.clients),
                 "rng": self.rng,
+                "last_round_digests": self.last_round_digests,
+                "last_summary": self.last_summary,
             }
             write_json(staging / STATE_JSON, meta)
             replace_dir(staging, path)
@@ -89,6 +93,8 @@ class ServerState:
             tensors[OPTIM],
             meta["takd_step"],
             meta.get("rng", {}),
+            meta.get("last_round_digests", []),
+            meta.get("last_summary", {}),
         )
 
 

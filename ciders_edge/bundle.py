@@ -34,7 +34,6 @@ BACKBONE_ADAPTER_DIR = "backbone_adapter"  # learnable-backbone LoRA from TAKD, 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 CONSENSUS_FILE = "consensus.safetensors"
-FROZEN_FILES = (BACKBONE_FILE, MESSENGER_FILE)  # shared between rounds by hard link
 
 
 def sha256_file(path: Path) -> str:
@@ -109,13 +108,14 @@ class Bundle:
 
     @classmethod
     def save(cls, out: str | Path, contents: BundleContents, previous: Bundle | None = None) -> Bundle:
-        """Write a bundle atomically; frozen files equal to ``previous``'s are hard-linked, not rewritten."""
+        """Write a bundle atomically; files identical to ``previous``'s become hard links to them."""
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            _write_contents(staging, contents, previous)
+            _write_contents(staging, contents)
             files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+            _link_unchanged(staging, files, previous)
             manifest = {
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
@@ -162,12 +162,11 @@ def _validate_manifest(m: object, where: Path) -> None:
             raise BundleError(f"{where}: manifest lacks {key!r}")
 
 
-def _write_contents(d: Path, c: BundleContents, previous: Bundle | None) -> None:
+def _write_contents(d: Path, c: BundleContents) -> None:
     n_kept = len(c.manifest["split"]["kept"])
     backbone, messenger = _split_weights(c.base_weights, n_kept)
-    for rel, tensors in ((BACKBONE_FILE, backbone), (MESSENGER_FILE, messenger)):
-        if not _link_if_unchanged(d / rel, tensors, previous, rel):
-            write_safetensors(d / rel, tensors)
+    write_safetensors(d / BACKBONE_FILE, backbone)
+    write_safetensors(d / MESSENGER_FILE, messenger)
     c.config.save_pretrained(d)
     c.generation_config.save_pretrained(d)
     c.tokenizer.save_pretrained(d)
@@ -181,6 +180,16 @@ def _write_contents(d: Path, c: BundleContents, previous: Bundle | None) -> None
     fsync_dir(d)
 
 
+def _link_unchanged(d: Path, files: dict[str, str], previous: Bundle | None) -> None:
+    """Replace files identical to ``previous``'s by hard links: a round update re-ships only what changed."""
+    if previous is None:
+        return
+    for rel, digest in files.items():
+        if previous.manifest["files"].get(rel) == digest:
+            (d / rel).unlink()
+            os.link(previous.path / rel, d / rel)
+
+
 def _split_weights(weights: dict[str, torch.Tensor], n_kept: int) -> tuple[dict, dict]:
     """Embeddings and layers < n_kept form B_L; the remaining layers, final norm and head form P_M."""
     backbone, messenger = {}, {}
@@ -192,17 +201,3 @@ def _split_weights(weights: dict[str, torch.Tensor], n_kept: int) -> tuple[dict,
         else:
             messenger[k] = v
     return backbone, messenger
-
-
-def _link_if_unchanged(target: Path, tensors: dict[str, torch.Tensor], previous: Bundle | None, rel: str) -> bool:
-    """Hard-link ``previous``'s copy of a frozen file when its tensors are identical."""
-    if previous is None:
-        return False
-    src = previous.path / rel
-    old = load_file(src)
-    if old.keys() != tensors.keys() or any(
-        not torch.equal(old[k], tensors[k].to(old[k].dtype)) or old[k].dtype != tensors[k].dtype for k in old
-    ):
-        return False
-    os.link(src, target)
-    return True

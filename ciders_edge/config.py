@@ -61,6 +61,7 @@ class RoundHyperparams(ConfigMixin):
     eta_hvp: float = 1e-3
     tau: float = 0.02  # server step on the aggregated displacement
     takd_steps: int = 5  # T_L warm-started TAKD steps per round on the cloud
+    start_from: str = "global"  # x_0: the global messenger v, or this client's own (local-only baselines)
 
     def __post_init__(self) -> None:
         for name in ("local_steps", "grad_accum", "batch_size", "seq_len"):
@@ -70,6 +71,8 @@ class RoundHyperparams(ConfigMixin):
             raise ConfigError(f"`eta` must be positive, got {self.eta}.")
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"`optimizer` must be adamw or sgd, got {self.optimizer!r}.")
+        if self.start_from not in ("global", "personalized"):
+            raise ConfigError(f"`start_from` must be global or personalized, got {self.start_from!r}.")
         if self.solver not in ("fo", "fd"):
             raise ConfigError(f"`solver` must be fo or fd, got {self.solver!r}.")
         if not 0.0 < self.alpha <= 1.0:

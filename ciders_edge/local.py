@@ -65,9 +65,14 @@ def local_update(
     objective: Objective,
     hp: RoundHyperparams,
     on_step: Callable[[dict], None] | None = None,
+    x0: Tensors | None = None,
 ) -> LocalResult:
-    """Run K steps from ``x_0 = v`` and return x_K, Delta_i, the new c_i and dc_i (eq. 4–10)."""
-    params = {k: torch.nn.Parameter(t.detach().clone()) for k, t in v.items()}
+    """Run K steps from ``x_0 = v`` and return x_K, Delta_i, the new c_i and dc_i (eq. 4–10).
+
+    ``x0`` starts elsewhere (a local-only baseline continuing its own messenger); the proximal
+    term and Delta_i still refer to ``v``.
+    """
+    params = {k: torch.nn.Parameter(t.detach().clone()) for k, t in (x0 or v).items()}
     opt = _optimizer(list(params.values()), hp)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, hp.local_steps, min(hp.warmup_steps, hp.local_steps - 1))
@@ -105,8 +110,11 @@ def _direction(x: Tensors, objective: Objective, hp: RoundHyperparams, metrics: 
     batch = objective.batch()
     loss, g0 = objective.gradient(x, batch)  # eq. (4)
     metrics["loss"] = loss
-    x_look = look_ahead(x, g0, hp.look_ahead)  # eq. (5)
-    _, u = objective.gradient(x_look, batch)  # eq. (6): FO direction
+    if hp.look_ahead == 0.0:  # x_look = x_k: the look-ahead gradient is g0 itself
+        u = g0
+    else:
+        x_look = look_ahead(x, g0, hp.look_ahead)  # eq. (5)
+        _, u = objective.gradient(x_look, batch)  # eq. (6): FO direction
     if hp.solver == "fo":
         return u
     _, g_plus = objective.gradient(add(x, u, hp.eps_fd), batch)

@@ -124,6 +124,20 @@ class Packet:
             raise PacketError(f"{where}: payload size does not match its header")
         return packet
 
+    @staticmethod
+    def peek_client_id(data: bytes, where: str = "packet") -> str:
+        """The sender named in the header, read *before* verification, to pick the key to verify with."""
+        try:
+            if data[: len(MAGIC)] != MAGIC:
+                raise ValueError("bad magic")
+            _, hlen = struct.unpack_from("<BI", data, len(MAGIC))
+            start = len(MAGIC) + 5
+            if hlen > MAX_HEADER:
+                raise ValueError("header too long")
+            return str(json.loads(data[start : start + hlen])["client_id"])
+        except (KeyError, TypeError, ValueError, struct.error):
+            raise PacketError(f"{where}: not a CIDERS packet") from None
+
     def save(self, path: str | Path, key: bytes | None = None) -> int:
         """Write atomically; returns the packet's size in bytes."""
         data = self.to_bytes(key)

@@ -100,7 +100,8 @@ def train_round(
     if state.rng is not None:
         torch.set_rng_state(state.rng)
     objective = MessengerObjective(edge, examples, hp.batch_size, hp.grad_accum, _seed(seed, client_id, bundle.round))
-    result = local_update(v, c, state.c_i, objective, hp, on_step)
+    x0 = state.personalized if hp.start_from == "personalized" and state.personalized else v
+    result = local_update(v, c, state.c_i, objective, hp, on_step, x0=x0)
     _check_finite(result)
     losses = [s["loss"] for s in result.steps]
     metrics = {

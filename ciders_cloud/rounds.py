@@ -1,0 +1,170 @@
+"""``ciders-cloud aggregate``: one cloud round, from Δc packets to the next round's bundles.
+
+Every packet is checked before any state changes. The round commits in two moves: round t+1's
+bundles are written first (unreferenced until the state says so), then the server state is
+swapped in atomically. A rerun after a crash either redoes the round from scratch (same seeds,
+same result) or, if the state already moved on with exactly these packets, reports it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ciders_edge.bundle import Bundle
+from ciders_edge.data import load_examples
+from ciders_edge.errors import PacketError
+from ciders_edge.packet import Packet
+from ciders_edge.profiles import load_profile
+from ciders_edge.update import add, norm
+
+from .aggregation import participation_weights, reconstruct_displacement
+from .config import RunConfig
+from .models import build_cloud_models
+from .prepare import DISTILL_LOG, STATE_DIR, append_log, bundle_path, load_run, write_bundles
+from .state import ServerState
+from .strategies import get_strategy, round_hyperparams_for
+from .takd import Distiller
+
+__all__ = ["aggregate_packets", "aggregate_files", "check_packets", "round_hyperparams_for", "KEYS_DIR"]
+
+KEYS_DIR = "keys"
+
+
+@dataclass
+class Received:
+    packet: Packet
+    size: int
+    digest: str
+    where: str
+
+
+def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received]:
+    """Parse packets, verifying each with its client's key when ``RUN/keys/<client>.key`` exists."""
+    out = []
+    for where, data in items:
+        client = Packet.peek_client_id(data, where)
+        key_file = run_dir / KEYS_DIR / f"{client}.key"
+        key = key_file.read_bytes().strip() if key_file.is_file() else None
+        packet = Packet.from_bytes(data, key, where=where)
+        out.append(Received(packet, len(data), hashlib.sha256(data).hexdigest(), where))
+    return out
+
+
+def check_packets(received: list[Received], state: ServerState, run: RunConfig, bundle_ids: set[str]) -> None:
+    """Refuse the whole round if any packet is for another round or bundle, from an unknown or
+    repeated client, of the wrong shapes, or not finite."""
+    seen: set[str] = set()
+    for r in received:
+        p, where = r.packet, r.where
+        if p.round != state.round:
+            raise PacketError(f"{where}: packet is for round {p.round}, the server is at round {state.round}")
+        if p.bundle_id not in bundle_ids:
+            raise PacketError(
+                f"{where}: packet was trained on bundle {p.bundle_id[:12]}, not one of round {state.round}'s"
+            )
+        if run.clients and p.client_id not in run.clients:
+            raise PacketError(f"{where}: unknown client id {p.client_id!r}")
+        if p.client_id in seen:
+            raise PacketError(f"{where}: a second packet from client {p.client_id!r} in round {state.round}")
+        seen.add(p.client_id)
+        for name, ref in state.messenger.items():
+            got = p.tensors.get(name)
+            if got is None or got.shape != ref.shape:
+                shape = None if got is None else tuple(got.shape)
+                raise PacketError(f"{where}: tensor {name} has shape {shape}, expected {tuple(ref.shape)}")
+        if set(p.tensors) != set(state.messenger):
+            raise PacketError(f"{where}: unexpected tensors {sorted(set(p.tensors) - set(state.messenger))[:2]}")
+        if p.num_examples <= 0:
+            raise PacketError(f"{where}: |D_i| must be positive, got {p.num_examples}")
+        p.check_finite(where)
+
+
+def aggregate_files(run_dir: str | Path, packet_paths: list[str | Path]) -> dict:
+    """The CLI's body: read packet files and run :func:`aggregate_packets`."""
+    items = []
+    for path in packet_paths:
+        path = Path(path)
+        if not path.is_file():
+            raise PacketError(f"{path}: no such packet file")
+        items.append((str(path), path.read_bytes()))
+    return aggregate_packets(Path(run_dir), items)
+
+
+def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
+    """Eq. (11)–(13) for one round; returns a summary of what happened."""
+    run = load_run(run_dir)
+    state = ServerState.load(run_dir / STATE_DIR)
+    received = read_packets(run_dir, items)
+    digests = sorted(r.digest for r in received)
+    if state.last_round_digests and digests == state.last_round_digests and state.round > 0:
+        return {**state.last_summary, "already_aggregated": True}
+    bundle_ids = {Bundle.load(bundle_path(run_dir, p, state.round)).bundle_id for p in run.profiles}
+    check_packets(received, state, run, bundle_ids)
+    if not received:
+        raise PacketError("no packets given; a round needs at least one")
+
+    hp = round_hyperparams_for(run, state.round)
+    strategy = get_strategy(run.algorithm)
+    deltas, new_clients = [], dict(state.clients)
+    zero = {k: torch.zeros_like(t) for k, t in state.messenger.items()}
+    for r in received:
+        c_i = state.clients.get(r.packet.client_id, zero)
+        deltas.append(reconstruct_displacement(r.packet.tensors, c_i, state.consensus, hp.alpha, hp.gamma))  # (11)
+        new_clients[r.packet.client_id] = add(c_i, r.packet.tensors)  # server copy of c_i
+    weights = participation_weights([r.packet.num_examples for r in received])
+    v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12)
+
+    models = build_cloud_models(run, state)
+    models.load_messenger(v)
+    steps, lambda_task = strategy.takd(hp)
+    records: list[dict] = []
+    if steps:  # (13): warm-started TAKD with the new messenger held fixed
+        takd = run.takd_config.replace(lambda_task=lambda_task)
+        examples = load_examples(run.public_data, models.tokenizer, takd.seq_len)
+        distiller = Distiller(models, examples, takd, state.optimizer, state.takd_step, run.seed)
+        records = distiller.run(steps, round_=state.round, label=f"round {state.round} TAKD")
+        optimizer, takd_step = distiller.optimizer_state(), distiller.step_count
+    else:
+        optimizer, takd_step = state.optimizer, state.takd_step
+
+    summary = {
+        "round": state.round,
+        "next_round": state.round + 1,
+        "algorithm": run.algorithm,
+        "clients": [r.packet.client_id for r in received],
+        "weights": weights,
+        "bytes_up": {r.packet.client_id: r.size for r in received},
+        "delta_norms": {r.packet.client_id: norm(d) for r, d in zip(received, deltas, strict=True)},
+        "v_change": norm({k: v[k] - state.messenger[k] for k in v}),
+        "c_norm": norm(c),
+        "takd_steps": len(records),
+        "takd_last": records[-1] if records else None,
+    }
+    new = ServerState(
+        state.round + 1,
+        v,
+        models.backbone_state(),
+        c,
+        new_clients,
+        optimizer,
+        takd_step,
+        state.rng,
+        last_round_digests=digests,
+        last_summary=summary,
+    )
+    bundles = write_bundles(run_dir, run, models, new, [load_profile(p) for p in run.profiles])
+    summary["bundles"] = {k: str(p) for k, p in bundles.items()}
+    summary["bytes_down"] = {k: _bundle_delta_bytes(p) for k, p in bundles.items()}
+    new.last_summary = summary
+    new.save(run_dir / STATE_DIR)  # the commit point
+    append_log(run_dir / DISTILL_LOG, records)
+    return summary
+
+
+def _bundle_delta_bytes(path: Path) -> int:
+    """Bytes a client holding the previous round's bundle must download: files not hard-linked."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.stat().st_nlink == 1)
