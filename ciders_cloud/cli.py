@@ -16,8 +16,12 @@ from ciders_edge.progress import console
 
 from .config import RunConfig, TakdConfig
 from .prepare import distill as distill_run
-from .rounds import aggregate_files
 from .prepare import prepare as prepare_run
+from .report import report as report_runs
+from .rounds import aggregate_files
+from .settings import load_toml_config
+from .simulate import SimConfig
+from .simulate import simulate as simulate_run
 
 app = typer.Typer(
     help="CIDERS cloud: prepare models, distill, ship AdapEmu bundles.",
@@ -95,6 +99,101 @@ def aggregate(
             console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
 
     run_command(lambda: aggregate_files(run, packets), as_json, render)
+
+
+@app.command()
+def simulate(
+    out: Annotated[Path, typer.Option(help="New folder for the whole study.")],
+    data: Annotated[
+        list[str] | None, typer.Option(help="JSONL data (repeatable; one per client with per-file).")
+    ] = None,
+    config: Annotated[
+        str | None, typer.Option(help="TOML file (or preset name: paper) whose keys mirror the flags.")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="smollm2-135m, tiny or a local folder.")] = None,
+    clients: Annotated[int | None, typer.Option(help="Number of simulated edges.")] = None,
+    rounds: Annotated[int | None, typer.Option(help="Rounds to run.")] = None,
+    local_steps: Annotated[int | None, typer.Option(help="K local steps per round.")] = None,
+    algorithm: Annotated[
+        str | None, typer.Option(help="ciders-fo, ciders-fd, fedavg, scaffold, fedot, fedbiot, localot.")
+    ] = None,
+    partition: Annotated[
+        str | None, typer.Option(help="iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file.")
+    ] = None,
+    participation: Annotated[float | None, typer.Option(help="Fraction of clients sampled per round.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for partition, sampling, LoRA init.")] = None,
+    eval_every: Annotated[int | None, typer.Option(help="Evaluate every E rounds (and at the end).")] = None,
+    eval_examples: Annotated[int | None, typer.Option(help="Held-out records per client for NLL.")] = None,
+    eval_generate: Annotated[
+        int | None, typer.Option(help="Held-out records per client answered (ROUGE-L, EM).")
+    ] = None,
+    max_records: Annotated[int | None, typer.Option(help="Cap records per client (0: all).")] = None,
+    public_data: Annotated[
+        str | None, typer.Option(help="Public JSONL for TAKD (default: a sample of client data).")
+    ] = None,
+    profile: Annotated[str | None, typer.Option(help="Device profile of every simulated edge.")] = None,
+    messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a.")] = None,
+    drop_ratio: Annotated[float | None, typer.Option(help="1 - beta.")] = None,
+    align_steps: Annotated[int | None, typer.Option(help="Bootstrap TAKD steps.")] = None,
+    codec: Annotated[str | None, typer.Option(help="Packet codec: fp32, bf16, int8.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Base learning rate eta.")] = None,
+    gamma: Annotated[float | None, typer.Option(help="Constant gamma (with --gamma-schedule constant).")] = None,
+    gamma_schedule: Annotated[str | None, typer.Option(help="constant or protocol-c.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Simulate the cloud and N edges in one process, through the same code as the CLIs."""
+
+    def body() -> dict:
+        base = load_toml_config(config) if config else {}
+        flags = {
+            "model": model,
+            "data": data,
+            "clients": clients,
+            "rounds": rounds,
+            "local_steps": local_steps,
+            "algorithm": algorithm,
+            "partition": partition,
+            "participation": participation,
+            "seed": seed,
+            "eval_every": eval_every,
+            "eval_examples": eval_examples,
+            "eval_generate": eval_generate,
+            "max_records": max_records,
+            "public_data": public_data,
+            "profile": profile,
+            "messenger_depth": messenger_depth,
+            "drop_ratio": drop_ratio,
+            "align_steps": align_steps,
+            "codec": codec,
+            "gamma_schedule": gamma_schedule,
+        }
+        merged = {**base, **{k: v for k, v in flags.items() if v is not None}}
+        hp = {**base.get("hyperparameters", {}), **{k: v for k, v in (("eta", lr), ("gamma", gamma)) if v is not None}}
+        merged["hyperparameters"] = hp
+        return simulate_run(SimConfig.from_dict(merged, where=config or "flags"), out)
+
+    def render(s: dict) -> None:
+        console.print(f"[green]✓[/] {s['algorithm']}: {s['clients']} clients × {s['rounds']} rounds in {s['out']}")
+        console.print(
+            f"  mean held-out NLL: personalized {s['mean_nll_personal']:.4f}, global {s['mean_nll_global']:.4f}"
+            + (f", Δcross {s['delta_cross']:.4f}" if s.get("delta_cross") is not None else "")
+        )
+
+    run_command(body, as_json, render)
+
+
+@app.command()
+def report(
+    run: Annotated[list[Path], typer.Option("--run", help="Simulation output folder (repeatable, compared).")],
+    out: Annotated[Path, typer.Option(help="Folder for the PNGs and summary.md.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Plot loss, E-RAE, NLL, bytes and S-DR/S-PPR against gamma; write a markdown comparison."""
+    run_command(
+        lambda: report_runs(run, out),
+        as_json,
+        lambda s: console.print(f"[green]✓[/] {len(s['files'])} files in {s['out']}: {', '.join(s['files'])}"),
+    )
 
 
 @app.command("demo-data")

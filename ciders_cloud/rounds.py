@@ -158,13 +158,10 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     )
     bundles = write_bundles(run_dir, run, models, new, [load_profile(p) for p in run.profiles])
     summary["bundles"] = {k: str(p) for k, p in bundles.items()}
-    summary["bytes_down"] = {k: _bundle_delta_bytes(p) for k, p in bundles.items()}
+    summary["bytes_down"] = {
+        k: Bundle.load(p).delta_bytes(Bundle.load(bundle_path(run_dir, k, state.round))) for k, p in bundles.items()
+    }
     new.last_summary = summary
     new.save(run_dir / STATE_DIR)  # the commit point
     append_log(run_dir / DISTILL_LOG, records)
     return summary
-
-
-def _bundle_delta_bytes(path: Path) -> int:
-    """Bytes a client holding the previous round's bundle must download: files not hard-linked."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.stat().st_nlink == 1)

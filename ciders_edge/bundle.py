@@ -134,6 +134,12 @@ class Bundle:
             shutil.rmtree(staging, ignore_errors=True)
         return cls.load(out)
 
+    def delta_bytes(self, previous: Bundle | None) -> int:
+        """Bytes an edge holding ``previous`` downloads for this bundle: files whose content changed."""
+        old = previous.manifest["files"] if previous is not None else {}
+        files = {**self.manifest["files"], MANIFEST: ""}
+        return sum((self.path / rel).stat().st_size for rel, digest in files.items() if old.get(rel) != digest)
+
     def tensors(self, rel: str) -> dict[str, torch.Tensor]:
         return load_file(self.path / rel)
 
@@ -175,9 +181,19 @@ def _write_contents(d: Path, c: BundleContents) -> None:
         (BACKBONE_ADAPTER_DIR, c.backbone_lora, c.backbone_peft_config),
     ):
         write_safetensors(d / sub / PEFT_WEIGHTS, state)
-        cfg.save_pretrained(d / sub)
+        write_json(d / sub / PEFT_CONFIG, _peft_config_dict(cfg))
     write_safetensors(d / CONSENSUS_FILE, c.consensus)
     fsync_dir(d)
+
+
+def _peft_config_dict(cfg) -> dict:
+    """PEFT's adapter_config.json content, with ``target_modules`` sorted: PEFT keeps them in a set,
+    whose order changes between processes, and a bundle's bytes must not."""
+    d = cfg.to_dict()
+    for key, value in d.items():
+        if isinstance(value, set):
+            d[key] = sorted(value)
+    return d
 
 
 def _link_unchanged(d: Path, files: dict[str, str], previous: Bundle | None) -> None:

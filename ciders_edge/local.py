@@ -48,6 +48,7 @@ class LocalResult:
     c_i_new: Tensors
     dc: Tensors  # c_i_new - c_i, before any compression
     steps: list[dict] = field(default_factory=list)  # per-step metrics
+    first_direction: Tensors = field(default_factory=dict)  # the FO/FD direction at x_0, for diagnostics
 
 
 def warmup_cosine(step: int, total: int, warmup: int) -> float:
@@ -77,7 +78,7 @@ def local_update(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, hp.local_steps, min(hp.warmup_steps, hp.local_steps - 1))
     )
-    steps = []
+    steps, first = [], {}
     consensus_gap = norm(sub(c, c_i))  # |c - c_i|, fixed within a round
     for k in range(hp.local_steps):
         x = {name: p.detach() for name, p in params.items()}
@@ -88,6 +89,7 @@ def local_update(
             "consensus_gap": consensus_gap,
         }
         g = _direction(x, objective, hp, metrics)
+        first = first or g
         g_traj = trajectory_gradient(g, x, v, c, c_i, hp.gamma, hp.eps_prox)  # eq. (8)
         for name, p in params.items():
             p.grad = g_traj[name].clone()
@@ -102,7 +104,7 @@ def local_update(
     x_final = {name: p.detach().clone() for name, p in params.items()}
     delta = displacement(v, x_final, hp.local_steps, hp.eta)  # eq. (9)
     c_i_new = consensus_update(c_i, delta, c, hp.alpha, hp.gamma)  # eq. (10)
-    return LocalResult(x_final, delta, c_i_new, delta_c(c_i_new, c_i), steps)
+    return LocalResult(x_final, delta, c_i_new, delta_c(c_i_new, c_i), steps, first)
 
 
 def _direction(x: Tensors, objective: Objective, hp: RoundHyperparams, metrics: dict) -> Tensors:

@@ -28,7 +28,7 @@ from .profiles import DeviceProfile, load_profile
 from .state import METRICS_LOG, ClientState
 from .update import add, norm, reconstruct_displacement
 
-__all__ = ["RoundOutput", "train_round", "train", "round_hyperparams", "pick_device", "read_key"]
+__all__ = ["RoundOutput", "train_round", "train", "train_files", "round_hyperparams", "pick_device", "read_key"]
 
 
 @dataclass
@@ -133,7 +133,12 @@ def train_round(
     return RoundOutput(packet, data, new_state, result, delta_sent)
 
 
-def train(
+def train(bundle: str | Path, data: str | Path, state_dir: str | Path, out: str | Path, **kwargs) -> dict:
+    """Train one round from files and write the packet, then the state (each atomically); returns a summary."""
+    return train_files(bundle, data, state_dir, out, **kwargs)[0]
+
+
+def train_files(
     bundle: str | Path,
     data: str | Path,
     state_dir: str | Path,
@@ -145,8 +150,8 @@ def train(
     key: bytes | None = None,
     overrides: dict | None = None,
     on_step: Callable[[dict], None] | None = None,
-) -> dict:
-    """Train one round from files and write the packet, then the state (each atomically)."""
+) -> tuple[dict, RoundOutput]:
+    """:func:`train` that also returns the in-memory round output (``simulate`` reads its tensors)."""
     b = Bundle.load(bundle)
     prof = load_profile(profile) if profile else None
     hp = round_hyperparams(b, prof, overrides or {})
@@ -162,8 +167,9 @@ def train(
     write_bytes(out, out_round.packet_bytes)
     out_round.state.save(state_dir)
     _append_metrics(Path(state_dir) / METRICS_LOG, b.round, out_round.result.steps)
+    rfd = [m["r_fd"] for m in out_round.result.steps if "r_fd" in m]
     p = out_round.packet
-    return {
+    summary = {
         "client_id": cid,
         "round": b.round,
         "bundle_id": b.bundle_id,
@@ -175,11 +181,13 @@ def train(
         "loss_last": p.metrics["loss_last"],
         "dc_norm": p.metrics["dc_norm"],
         "c_i_norm": norm(out_round.state.c_i),
+        "r_fd": sum(rfd) / len(rfd) if rfd else None,
         "raw_bytes": p.raw_bytes,
         "packet_bytes": len(out_round.packet_bytes),
         "packet": str(out),
         "state": str(state_dir),
     }
+    return summary, out_round
 
 
 def read_key(path: Path) -> bytes:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ciders_cloud.aggregation import aggregate, participation_weights, reconstruct_displacement
+from ciders_cloud.diagnostics import decompose, psi
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.local import local_update, warmup_cosine
 from ciders_edge.packet import Packet
@@ -44,13 +45,6 @@ def _hp(**kw):
     return RoundHyperparams(**{**base, **kw})
 
 
-def _decompose(u, g_i, g_mean):
-    """Least-squares (a, b) with u = a g_i + b G: a is the PPR, b the DR."""
-    m = torch.stack([g_i.flatten(), g_mean.flatten()], 1)
-    coef = torch.linalg.lstsq(m, u.flatten().unsqueeze(1)).solution.squeeze(1)
-    return float(coef[0]), float(coef[1])
-
-
 def test_prop2_dr_and_ppr_follow_psi_t():
     """Prop. 2: K=1, eps_prox=0, full participation, cold start: u_i^t = psi_t g_i + (1 - psi_t) G."""
     torch.manual_seed(0)
@@ -61,7 +55,8 @@ def test_prop2_dr_and_ppr_follow_psi_t():
     c = {"w": torch.zeros(dim, dtype=torch.float64)}
     c_i = [dict(c) for _ in range(n)]
     for t in range(6):
-        psi = (1 - hp.gamma) + hp.gamma * (1 - hp.alpha) ** t
+        psi_t = psi(t, hp.gamma, hp.alpha)
+        assert psi_t == pytest.approx((1 - hp.gamma) + hp.gamma * (1 - hp.alpha) ** t, abs=1e-15)
         # each client's FO direction at the look-ahead point from x_0 = v
         g = [q.gradient(add(v, q.gradient(v, None)[1], -hp.eta_in), None)[1]["w"] for q in clients]
         g_mean = sum(g) / n
@@ -69,8 +64,8 @@ def test_prop2_dr_and_ppr_follow_psi_t():
         deltas = []
         for i, r in enumerate(results):
             u = r.delta["w"]  # K=1, SGD: Delta_i is exactly the reference direction u_i^t
-            ppr, dr = _decompose(u, g[i], g_mean)
-            assert ppr == pytest.approx(psi, abs=1e-6) and dr == pytest.approx(1 - psi, abs=1e-6)
+            ppr, dr = decompose(u.double(), g[i].double(), g_mean.double())
+            assert ppr == pytest.approx(psi_t, abs=1e-6) and dr == pytest.approx(1 - psi_t, abs=1e-6)
             deltas.append(reconstruct_displacement(r.dc, c_i[i], c, hp.alpha, hp.gamma))
             c_i[i] = add(c_i[i], r.dc)
         v, c = aggregate(v, c, deltas, participation_weights([1] * n), hp.tau, hp.local_steps, hp.eta, hp.alpha)

@@ -1,0 +1,89 @@
+"""Evaluation for ``simulate``: held-out NLL with personalized and global messengers, ROUGE-L,
+exact match, and the cross-domain NLL matrix with Delta_cross (paper §VI-E)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import mean
+
+from ciders_edge.bundle import Bundle
+from ciders_edge.data import load_examples, read_jsonl, to_chat
+from ciders_edge.emu import EdgeModel, load_edge_model
+from ciders_edge.evaluate import exact_match_answer, generate_answers, perplexity, response_nll, rouge_l, use_messenger
+from ciders_edge.state import ClientState
+
+__all__ = ["evaluate_round", "delta_cross"]
+
+
+def delta_cross(matrix: list[list[float]]) -> float:
+    """Mean off-diagonal NLL minus mean diagonal NLL: how much a personalized model loses off its domain."""
+    n = len(matrix)
+    diag = [matrix[i][i] for i in range(n)]
+    off = [matrix[i][j] for i in range(n) for j in range(n) if i != j]
+    return mean(off) - mean(diag) if off else 0.0
+
+
+def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[str, str], cfg) -> dict:
+    """Score every client on its held-out data; the matrix when clients hold different domains."""
+    edge = load_edge_model(Bundle.load(bundle_dir))
+    v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
+    round_ = edge.bundle.round - 1
+    evals = {
+        cid: load_examples(out / "data" / cid / "eval.jsonl", edge.tokenizer, 512)[: cfg.eval_examples] for cid in ids
+    }
+    personal = {}
+    for cid in ids:
+        state = ClientState.load(out / "clients" / cid)
+        personal[cid] = state.personalized if state is not None and state.personalized else v
+    records, matrix = [], []
+    for cid in ids:
+        use_messenger(edge, v)
+        nll_global = response_nll(edge, evals[cid])
+        use_messenger(edge, personal[cid])
+        row = [response_nll(edge, evals[other]) for other in ids]
+        matrix.append(row)
+        nll_personal = row[ids.index(cid)]
+        rouge, em = _generation_scores(edge, out / "data" / cid / "eval.jsonl", cfg.eval_generate)
+        records.append(
+            {
+                "type": "eval",
+                "round": round_,
+                "client": cid,
+                "domain": domains[cid],
+                "nll_personal": nll_personal,
+                "nll_global": nll_global,
+                "ppl_personal": perplexity(nll_personal),
+                "ppl_global": perplexity(nll_global),
+                "rouge_l": rouge,
+                "exact_match": em,
+            }
+        )
+    cross = delta_cross(matrix) if len(set(domains.values())) > 1 else None
+    records.append(
+        {
+            "type": "cross",
+            "round": round_,
+            "clients": ids,
+            "domains": [domains[c] for c in ids],
+            "matrix": matrix,
+            "delta_cross": cross,
+        }
+    )
+    return {
+        "records": records,
+        "mean_nll_personal": mean(r["nll_personal"] for r in records[:-1]),
+        "mean_nll_global": mean(r["nll_global"] for r in records[:-1]),
+        "delta_cross": cross,
+    }
+
+
+def _generation_scores(edge: EdgeModel, path: Path, n: int) -> tuple[float | None, float | None]:
+    if n <= 0:
+        return None, None
+    rows = read_jsonl(path)[:n]
+    chats = [to_chat(r) for r in rows]
+    answers = generate_answers(edge, [prompt for prompt, _ in chats])
+    refs = [str(r.get("answer", resp)) for r, (_, resp) in zip(rows, chats, strict=True)]
+    rouge = mean(rouge_l(a, resp) for a, (_, resp) in zip(answers, chats, strict=True))
+    em = mean(float(exact_match_answer(a) == exact_match_answer(ref)) for a, ref in zip(answers, refs, strict=True))
+    return rouge, em

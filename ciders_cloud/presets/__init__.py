@@ -1,0 +1,1 @@
+"""Run configurations shipped with the package (``--config NAME``)."""

@@ -1,0 +1,237 @@
+"""``ciders-cloud simulate``: the cloud and N edges in one process, through the same code as the CLIs.
+
+Each round, every sampled client runs :func:`ciders_edge.train.train_files` (``ciders-edge train``)
+on its own data and state folder and writes a real packet; the cloud runs
+:func:`ciders_cloud.rounds.aggregate_files` (``ciders-cloud aggregate``) on those packets. The
+algorithm is the run's strategy; diagnostics and evaluations go to ``RUN/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ciders_edge.atomic import write_bytes
+from ciders_edge.bundle import Bundle
+from ciders_edge.config import ConfigMixin, RoundHyperparams
+from ciders_edge.data import read_jsonl
+from ciders_edge.errors import ConfigError
+from ciders_edge.profiles import load_profile
+from ciders_edge.progress import console
+from ciders_edge.train import train_files
+
+from .config import RunConfig, TakdConfig
+from .diagnostics import client_diagnostics
+from .evaluation import evaluate_round
+from .partition import partition
+from .prepare import bundle_path, load_run, prepare
+from .rounds import aggregate_files
+from .strategies import get_strategy, round_hyperparams_for
+
+__all__ = ["SimConfig", "simulate", "METRICS"]
+
+METRICS = "metrics.jsonl"
+
+
+@dataclass
+class SimConfig(ConfigMixin):
+    """Everything ``simulate`` takes; TOML keys equal these names, CLI flags override them."""
+
+    model: str = "tiny"
+    data: list[str] = field(default_factory=list)
+    clients: int = 3
+    rounds: int = 3
+    local_steps: int = 10
+    algorithm: str = "ciders-fo"
+    partition: str = "iid"  # iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file
+    participation: float = 1.0
+    seed: int = 0
+    eval_every: int = 1
+    eval_examples: int = 16  # held-out records per client scored for NLL
+    eval_generate: int = 4  # held-out records per client answered for ROUGE-L / exact match
+    holdout: float = 0.1
+    max_records: int = 0  # cap per client (0: all)
+    public_data: str = ""  # TAKD data; default: a sample of the clients' training data
+    profile: str = "cpu-laptop"
+    messenger_depth: int | None = None
+    drop_ratio: float | None = None
+    align_steps: int = 5
+    codec: str = "fp32"
+    gamma_schedule: str = "constant"
+    hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
+    takd: dict = field(default_factory=dict)  # TakdConfig overrides
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ConfigError("simulate needs at least one --data file")
+        if self.clients < 1 or self.rounds < 1 or self.local_steps < 1:
+            raise ConfigError("`clients`, `rounds` and `local_steps` must be positive")
+        if not 0.0 < self.participation <= 1.0:
+            raise ConfigError(f"`participation` must be in (0, 1], got {self.participation}")
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"`holdout` must be in (0, 1), got {self.holdout}")
+        get_strategy(self.algorithm)
+
+
+def client_ids(n: int) -> list[str]:
+    return [f"client-{i:02d}" for i in range(n)]
+
+
+def simulate(cfg: SimConfig, out: str | Path) -> dict:
+    """Run ``cfg.rounds`` rounds; returns the last evaluation and where everything is."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out}: already exists and is not empty; choose a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    ids = client_ids(cfg.clients)
+    domains = _materialize_data(cfg, out / "data", ids)
+    run_dir = out / "run"
+    prepare(_run_config(cfg, ids, out / "data"), run_dir)
+    rng = random.Random(cfg.seed)
+    strategy = get_strategy(cfg.algorithm)
+    last_eval: dict = {}
+    for t in range(cfg.rounds):
+        started = time.perf_counter()
+        participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
+        bundle = bundle_path(run_dir, cfg.profile, t)
+        packets, outputs, summaries = [], {}, {}
+        for cid in participants:
+            console.print(f"[bold]round {t}[/] {cid} ({strategy.name})")
+            packet = out / "packets" / f"round-{t:04d}" / f"{cid}.pkt"
+            summaries[cid], outputs[cid] = train_files(
+                bundle,
+                out / "data" / cid / "train.jsonl",
+                out / "clients" / cid,
+                packet,
+                profile=cfg.profile,
+                codec=cfg.codec,
+                client_id=cid,
+            )
+            packets.append(packet)
+        agg = aggregate_files(run_dir, packets)
+        hp = round_hyperparams_for(load_run(run_dir), t)
+        deltas = {cid: o.delta_sent for cid, o in outputs.items()}
+        weights = dict(zip(agg["clients"], agg["weights"], strict=True))
+        diag = client_diagnostics(
+            deltas, {c: o.result.first_direction for c, o in outputs.items()}, weights, t, hp.gamma, hp.alpha
+        )
+        wall = time.perf_counter() - started
+        down = Bundle.load(bundle).delta_bytes(Bundle.load(bundle_path(run_dir, cfg.profile, t - 1)) if t else None)
+        records = [_client_record(t, cid, hp, summaries[cid], diag[cid], down) for cid in participants]
+        records.append(
+            {
+                "type": "round",
+                "round": t,
+                "algorithm": cfg.algorithm,
+                "wall_s": wall,
+                "participants": participants,
+                "v_change": agg["v_change"],
+                "c_norm": agg["c_norm"],
+                "gamma": hp.gamma,
+                "takd_last": agg["takd_last"],
+                "bytes_up": sum(agg["bytes_up"].values()),
+                "bytes_down": agg["bytes_down"][cfg.profile],
+            }
+        )
+        if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
+            last_eval = evaluate_round(bundle_path(run_dir, cfg.profile, t + 1), out, ids, domains, cfg)
+            records += last_eval["records"]
+        _append(out / METRICS, records)
+    return {
+        "out": str(out),
+        "run": str(run_dir),
+        "algorithm": cfg.algorithm,
+        "rounds": cfg.rounds,
+        "clients": cfg.clients,
+        **{k: v for k, v in last_eval.items() if k != "records"},
+    }
+
+
+def _client_record(t: int, cid: str, hp: RoundHyperparams, s: dict, diag: dict, bytes_down: int) -> dict:
+    return {
+        "type": "client",
+        "round": t,
+        "client": cid,
+        "gamma": hp.gamma,
+        "loss_first": s["loss_first"],
+        "loss_last": s["loss_last"],
+        "dc_norm": s["dc_norm"],
+        "c_i_norm": s["c_i_norm"],
+        "r_fd": s["r_fd"],
+        "bytes_up": s["packet_bytes"],
+        "raw_bytes": s["raw_bytes"],
+        "bytes_down": bytes_down,
+        **diag,
+    }
+
+
+def _materialize_data(cfg: SimConfig, root: Path, ids: list[str]) -> dict[str, str]:
+    """Write each client's train/eval JSONL; returns each client's domain label (for the NLL matrix)."""
+    if cfg.partition == "per-file" or (len(cfg.data) == cfg.clients and len(cfg.data) > 1):
+        if len(cfg.data) != cfg.clients:
+            raise ConfigError(f"per-file partition needs one --data file per client: {len(cfg.data)} for {cfg.clients}")
+        parts = [read_jsonl(f) for f in cfg.data]
+        labels = [_label(p, Path(f).parent.name) for p, f in zip(parts, cfg.data, strict=True)]
+    else:
+        records = [r for f in cfg.data for r in read_jsonl(f)]
+        parts = partition(records, cfg.clients, cfg.partition, cfg.seed)
+        labels = [_label(p, f"part-{i}") for i, p in enumerate(parts)]
+    rng = random.Random(cfg.seed)
+    public = []
+    for cid, part in zip(ids, parts, strict=True):
+        part = list(part)
+        rng.shuffle(part)
+        if cfg.max_records:
+            part = part[: cfg.max_records]
+        n_eval = max(1, int(len(part) * cfg.holdout))
+        if len(part) <= n_eval:
+            raise ConfigError(f"{cid} has {len(part)} records: too few to hold out {n_eval} for evaluation")
+        _write_jsonl(root / cid / "eval.jsonl", part[:n_eval])
+        _write_jsonl(root / cid / "train.jsonl", part[n_eval:])
+        public += part[n_eval : n_eval + 40]
+    if not cfg.public_data:
+        _write_jsonl(root / "public.jsonl", public)
+    return dict(zip(ids, labels, strict=True))
+
+
+def _label(records: list[dict], default: str) -> str:
+    """A client's majority domain/category, for naming the rows of the NLL matrix."""
+    for fld in ("domain", "category"):
+        values = [str(r[fld]) for r in records if fld in r]
+        if values:
+            return max(set(values), key=values.count)
+    return default
+
+
+def _run_config(cfg: SimConfig, ids: list[str], data_root: Path) -> RunConfig:
+    hp = RoundHyperparams(local_steps=cfg.local_steps).replace(**cfg.hyperparameters)
+    prof = load_profile(cfg.profile)
+    return RunConfig(
+        model=cfg.model,
+        profiles=[cfg.profile],
+        seed=cfg.seed,
+        messenger_depth=cfg.messenger_depth if cfg.messenger_depth is not None else prof.messenger_depth,
+        drop_ratio=cfg.drop_ratio if cfg.drop_ratio is not None else prof.drop_ratio,
+        public_data=cfg.public_data or str(data_root / "public.jsonl"),
+        align_steps=cfg.align_steps,
+        takd=TakdConfig().replace(**cfg.takd).to_dict(),
+        hyperparameters=hp.to_dict(),
+        algorithm=cfg.algorithm,
+        gamma_schedule=cfg.gamma_schedule,
+        clients=ids,
+    )
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    clean = [{k: v for k, v in r.items() if k != "_where"} for r in rows]
+    write_bytes(path, "".join(json.dumps(r) + "\n" for r in clean).encode())
+
+
+def _append(path: Path, records: list[dict]) -> None:
+    with path.open("a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
