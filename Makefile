@@ -1,4 +1,5 @@
 # Two entry points: `make demo` (the main job on the embedded SmolLM2) and `make test`.
+# The demo: generated data -> prepare (split + TAKD) -> two edges train -> the cloud aggregates.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
@@ -25,6 +26,13 @@ demo: install
 	$(BIN)/ciders-cloud prepare --model smollm2-135m --profile cpu-laptop \
 		--public-data $(DEMO)/data/public.jsonl --align-steps 20 --out $(DEMO)/run
 	$(BIN)/ciders-edge verify --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000
+	# two edges with different task families train one round each and ship Δc packets
+	$(BIN)/ciders-edge train --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000 --data $(DEMO)/data/dates/train.jsonl \
+		--state $(DEMO)/edge-dates --client-id dates --steps 5 --lr 5e-4 --codec int8 --out $(DEMO)/dates.pkt
+	$(BIN)/ciders-edge train --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000 --data $(DEMO)/data/units/train.jsonl \
+		--state $(DEMO)/edge-units --client-id units --steps 5 --lr 5e-4 --codec int8 --out $(DEMO)/units.pkt
+	# the cloud closes the round: round 1's bundle
+	$(BIN)/ciders-cloud aggregate --run $(DEMO)/run --packets $(DEMO)/dates.pkt --packets $(DEMO)/units.pkt
 
 test: install
 	$(BIN)/pytest -q

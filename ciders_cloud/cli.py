@@ -9,7 +9,9 @@ import typer
 from rich.table import Table
 
 from ciders_edge.cli_utils import run_command
+from ciders_edge.config import RoundHyperparams
 from ciders_edge.demo_data import write_demo_data
+from ciders_edge.errors import ConfigError
 from ciders_edge.lora import LoraSettings
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
@@ -36,35 +38,56 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable 
 @app.command()
 def prepare(
     out: Annotated[Path, typer.Option(help="New run folder.")],
-    public_data: Annotated[Path, typer.Option(help="Public JSONL data for TAKD.")],
-    model: Annotated[str, typer.Option(help="smollm2-135m, tiny, a local HF folder or a hub id.")] = "smollm2-135m",
+    public_data: Annotated[str | None, typer.Option(help="Public JSONL data for TAKD.")] = None,
+    config: Annotated[str | None, typer.Option(help="TOML file (or preset name) whose keys mirror the flags.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="smollm2-135m (default), tiny, a local HF folder or a hub id.")
+    ] = None,
     profile: Annotated[list[str] | None, typer.Option(help="Device profile (repeatable); one bundle each.")] = None,
     messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a (default: first profile's).")] = None,
     drop_ratio: Annotated[float | None, typer.Option(help="1 - beta (default: first profile's).")] = None,
-    align_steps: Annotated[int, typer.Option(help="Bootstrap TAKD steps before round 0 (0 allowed).")] = 20,
+    align_steps: Annotated[int | None, typer.Option(help="Bootstrap TAKD steps before round 0 (default 20).")] = None,
+    algorithm: Annotated[str | None, typer.Option(help="Strategy the run's rounds follow (default ciders-fo).")] = None,
+    client: Annotated[list[str] | None, typer.Option(help="Accepted client id (repeatable; none: any).")] = None,
     takd_lr: Annotated[float | None, typer.Option(help="TAKD learning rate.")] = None,
     takd_batch_size: Annotated[int | None, typer.Option(help="TAKD batch size.")] = None,
     seq_len: Annotated[int | None, typer.Option(help="TAKD sequence length.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for LoRA init and data order.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed for LoRA init and data order.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Split the model (Algorithm 1), align the learnable backbone by TAKD, write one bundle per profile."""
 
     def body() -> dict:
-        profiles = profile or ["cpu-laptop"]
-        first = load_profile(profiles[0])
-        run = RunConfig(
-            model=model,
-            profiles=profiles,
-            messenger_depth=messenger_depth if messenger_depth is not None else first.messenger_depth,
-            drop_ratio=drop_ratio if drop_ratio is not None else first.drop_ratio,
-            public_data=str(public_data),
-            align_steps=align_steps,
-            seed=seed,
-            lora=LoraSettings(rank=first.lora_rank).to_dict(),
-            takd=TakdConfig().replace(lr=takd_lr, batch_size=takd_batch_size, seq_len=seq_len).to_dict(),
-        )
-        return prepare_run(run, out)
+        base = load_toml_config(config) if config else {}
+        flags = {
+            "model": model,
+            "profiles": profile,
+            "messenger_depth": messenger_depth,
+            "drop_ratio": drop_ratio,
+            "public_data": public_data,
+            "align_steps": align_steps,
+            "seed": seed,
+            "algorithm": algorithm,
+            "clients": client,
+        }
+        merged = {"model": "smollm2-135m", **base, **{k: v for k, v in flags.items() if v is not None}}
+        if "public_data" not in merged:
+            raise ConfigError("--public-data is required (or `public_data` in --config)")
+        first = load_profile((merged.get("profiles") or ["cpu-laptop"])[0])
+        merged.setdefault("messenger_depth", first.messenger_depth)
+        merged.setdefault("drop_ratio", first.drop_ratio)
+        merged.setdefault("lora", LoraSettings(rank=first.lora_rank).to_dict())
+        takd = {
+            **base.get("takd", {}),
+            **{
+                k: v
+                for k, v in (("lr", takd_lr), ("batch_size", takd_batch_size), ("seq_len", seq_len))
+                if v is not None
+            },
+        }
+        merged["takd"] = TakdConfig.from_dict(takd).to_dict()
+        merged["hyperparameters"] = RoundHyperparams.from_dict(base.get("hyperparameters", {})).to_dict()
+        return prepare_run(RunConfig.from_dict(merged, where=config or "flags"), out)
 
     run_command(body, as_json, _render)
 

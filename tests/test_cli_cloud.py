@@ -145,3 +145,24 @@ def test_console_script_exit_code_and_stderr(tmp_path):
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path}: not a bundle (no manifest.json)"]
+
+
+def test_prepare_from_a_config_file_with_flag_overrides(demo_dir, tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f'model = "tiny"\npublic_data = "{demo_dir / "public.jsonl"}"\nmessenger_depth = 3\ndrop_ratio = 0.5\n'
+        'align_steps = 1\nclients = ["a", "b"]\nalgorithm = "fedavg"\n[takd]\nseq_len = 64\n'
+        "[hyperparameters]\nlocal_steps = 4\n"
+    )
+    s = _json(
+        runner.invoke(
+            cloud, ["prepare", "--config", str(cfg), "--messenger-depth", "2", "--out", str(tmp_path / "r"), "--json"]
+        )
+    )
+    assert s["messenger_depth"] == 2 and s["kept_layers"] == [0, 2, 5]
+    run = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert run["clients"] == ["a", "b"] and run["algorithm"] == "fedavg" and run["takd"]["seq_len"] == 64
+    manifest = Bundle.load(s["bundles"]["cpu-laptop"]).manifest
+    # fedavg's round hyperparameters: no consensus correction, no look-ahead, plain averaging
+    hp = manifest["hyperparameters"]
+    assert hp["local_steps"] == 4 and hp["gamma"] == 0.0 and hp["eta_in"] == 0.0 and hp["tau"] == 1.0
