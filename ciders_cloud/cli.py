@@ -21,7 +21,7 @@ from .prepare import distill as distill_run
 from .prepare import prepare as prepare_run
 from .report import report as report_runs
 from .rounds import aggregate_files
-from .settings import load_toml_config
+from .settings import merge_config
 from .simulate import SimConfig
 from .simulate import simulate as simulate_run
 
@@ -58,7 +58,6 @@ def prepare(
     """Split the model (Algorithm 1), align the learnable backbone by TAKD, write one bundle per profile."""
 
     def body() -> dict:
-        base = load_toml_config(config) if config else {}
         flags = {
             "model": model,
             "profiles": profile,
@@ -70,23 +69,16 @@ def prepare(
             "algorithm": algorithm,
             "clients": client,
         }
-        merged = {"model": "smollm2-135m", **base, **{k: v for k, v in flags.items() if v is not None}}
+        takd = {"lr": takd_lr, "batch_size": takd_batch_size, "seq_len": seq_len}
+        merged = {"model": "smollm2-135m", **merge_config(config, flags, {"takd": takd})}
         if "public_data" not in merged:
             raise ConfigError("--public-data is required (or `public_data` in --config)")
         first = load_profile((merged.get("profiles") or ["cpu-laptop"])[0])
         merged.setdefault("messenger_depth", first.messenger_depth)
         merged.setdefault("drop_ratio", first.drop_ratio)
         merged.setdefault("lora", LoraSettings(rank=first.lora_rank).to_dict())
-        takd = {
-            **base.get("takd", {}),
-            **{
-                k: v
-                for k, v in (("lr", takd_lr), ("batch_size", takd_batch_size), ("seq_len", seq_len))
-                if v is not None
-            },
-        }
-        merged["takd"] = TakdConfig.from_dict(takd).to_dict()
-        merged["hyperparameters"] = RoundHyperparams.from_dict(base.get("hyperparameters", {})).to_dict()
+        merged["takd"] = TakdConfig.from_dict(merged["takd"]).to_dict()
+        merged["hyperparameters"] = RoundHyperparams.from_dict(merged.get("hyperparameters", {})).to_dict()
         return prepare_run(RunConfig.from_dict(merged, where=config or "flags"), out)
 
     run_command(body, as_json, _render)
@@ -167,7 +159,6 @@ def simulate(
     """Simulate the cloud and N edges in one process, through the same code as the CLIs."""
 
     def body() -> dict:
-        base = load_toml_config(config) if config else {}
         flags = {
             "model": model,
             "data": data,
@@ -190,9 +181,7 @@ def simulate(
             "codec": codec,
             "gamma_schedule": gamma_schedule,
         }
-        merged = {**base, **{k: v for k, v in flags.items() if v is not None}}
-        hp = {**base.get("hyperparameters", {}), **{k: v for k, v in (("eta", lr), ("gamma", gamma)) if v is not None}}
-        merged["hyperparameters"] = hp
+        merged = merge_config(config, flags, {"hyperparameters": {"eta": lr, "gamma": gamma}})
         return simulate_run(SimConfig.from_dict(merged, where=config or "flags"), out)
 
     def render(s: dict) -> None:

@@ -9,7 +9,7 @@ import tomllib
 
 from ciders_edge.errors import ConfigError
 
-__all__ = ["load_toml_config"]
+__all__ = ["load_toml_config", "merge_config"]
 
 
 def load_toml_config(name_or_path: str) -> dict:
@@ -22,3 +22,13 @@ def load_toml_config(name_or_path: str) -> dict:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: invalid TOML ({err})") from None
+
+
+def merge_config(config: str | None, flags: dict, tables: dict[str, dict] | None = None) -> dict:
+    """The TOML file, then the flags that were given (not ``None``); ``tables`` are flags that
+    belong in a table of the file (``[takd]``, ``[hyperparameters]``) and merge into it."""
+    merged = load_toml_config(config) if config else {}
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    for table, values in (tables or {}).items():
+        merged[table] = {**merged.get(table, {}), **{k: v for k, v in values.items() if v is not None}}
+    return merged
