@@ -8,6 +8,8 @@ from ciders_edge.config import ConfigMixin, RoundHyperparams
 from ciders_edge.errors import ConfigError
 from ciders_edge.lora import LoraSettings
 
+from .strategies import get_strategy
+
 __all__ = ["TakdConfig", "RunConfig"]
 
 
@@ -65,8 +67,6 @@ class RunConfig(ConfigMixin):
             raise ConfigError("at least one device profile is needed.")
         if self.gamma_schedule not in ("constant", "protocol-c"):
             raise ConfigError(f"`gamma_schedule` must be constant or protocol-c, got {self.gamma_schedule!r}.")
-        from .strategies import get_strategy
-
         get_strategy(self.algorithm)
 
     @property

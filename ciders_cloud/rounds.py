@@ -19,7 +19,7 @@ from ciders_edge.data import load_examples
 from ciders_edge.errors import PacketError
 from ciders_edge.packet import Packet
 from ciders_edge.profiles import load_profile
-from ciders_edge.update import add, norm
+from ciders_edge.update import Tensors, add, norm
 
 from .aggregation import participation_weights, reconstruct_displacement
 from .config import RunConfig
@@ -109,27 +109,12 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
 
     hp = round_hyperparams_for(run, state.round)
     strategy = get_strategy(run.algorithm)
-    deltas, new_clients = [], dict(state.clients)
-    zero = {k: torch.zeros_like(t) for k, t in state.messenger.items()}
-    for r in received:
-        c_i = state.clients.get(r.packet.client_id, zero)
-        deltas.append(reconstruct_displacement(r.packet.tensors, c_i, state.consensus, hp.alpha, hp.gamma))  # (11)
-        new_clients[r.packet.client_id] = add(c_i, r.packet.tensors)  # server copy of c_i
+    deltas, new_clients = _reconstruct(received, state, hp)  # (11)
     weights = participation_weights([r.packet.num_examples for r in received])
     v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12)
-
     models = build_cloud_models(run, state)
     models.load_messenger(v)
-    steps, lambda_task = strategy.takd(hp)
-    records: list[dict] = []
-    if steps:  # (13): warm-started TAKD with the new messenger held fixed
-        takd = run.takd_config.replace(lambda_task=lambda_task)
-        examples = load_examples(run.public_data, models.tokenizer, takd.seq_len)
-        distiller = Distiller(models, examples, takd, state.optimizer, state.takd_step, run.seed)
-        records = distiller.run(steps, round_=state.round, label=f"round {state.round} TAKD")
-        optimizer, takd_step = distiller.optimizer_state(), distiller.step_count
-    else:
-        optimizer, takd_step = state.optimizer, state.takd_step
+    records, optimizer, takd_step = _distill(models, run, state, *strategy.takd(hp))  # (13)
 
     summary = {
         "round": state.round,
@@ -165,3 +150,25 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     new.save(run_dir / STATE_DIR)  # the commit point
     append_log(run_dir / DISTILL_LOG, records)
     return summary
+
+
+def _reconstruct(received: list[Received], state: ServerState, hp) -> tuple[list[Tensors], dict[str, Tensors]]:
+    """Eq. (11) for every packet, and the server's copies of c_i advanced by the decoded increments."""
+    deltas, clients = [], dict(state.clients)
+    zero = {k: torch.zeros_like(t) for k, t in state.messenger.items()}
+    for r in received:
+        c_i = state.clients.get(r.packet.client_id, zero)
+        deltas.append(reconstruct_displacement(r.packet.tensors, c_i, state.consensus, hp.alpha, hp.gamma))
+        clients[r.packet.client_id] = add(c_i, r.packet.tensors)
+    return deltas, clients
+
+
+def _distill(models, run: RunConfig, state: ServerState, steps: int, lambda_task: float | None):
+    """Eq. (13): T_L warm-started TAKD steps with the new messenger held fixed (none for some baselines)."""
+    if not steps:
+        return [], state.optimizer, state.takd_step
+    takd = run.takd_config.replace(lambda_task=lambda_task)
+    examples = load_examples(run.public_data, models.tokenizer, takd.seq_len)
+    distiller = Distiller(models, examples, takd, state.optimizer, state.takd_step, run.seed)
+    records = distiller.run(steps, round_=state.round, label=f"round {state.round} TAKD")
+    return records, distiller.optimizer_state(), distiller.step_count
