@@ -5,21 +5,15 @@ Written as one directory swapped in atomically, so a crash leaves the previous r
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from ciders_edge.atomic import replace_dir, write_json, write_safetensors
-from ciders_edge.errors import StateError
+from ciders_edge.statedir import load_state_dir, save_state_dir
 
 __all__ = ["ServerState", "optimizer_to_tensors", "optimizer_from_tensors"]
 
-STATE_JSON = "state.json"
 MESSENGER = "messenger_lora.safetensors"
 BACKBONE = "backbone_lora.safetensors"
 CONSENSUS = "consensus.safetensors"
@@ -44,42 +38,29 @@ class ServerState:
     last_summary: dict = field(default_factory=dict)  # what that aggregation reported
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
-            write_safetensors(staging / MESSENGER, self.messenger)
-            write_safetensors(staging / BACKBONE, self.backbone)
-            write_safetensors(staging / CONSENSUS, self.consensus)
-            flat = {f"{cid}/{k}": v for cid, st in self.clients.items() for k, v in st.items()}
-            write_safetensors(staging / CLIENTS, flat)
-            write_safetensors(staging / OPTIM, self.optimizer)
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "round": self.round,
-                "takd_step": self.takd_step,
-                "clients": sorted(self.clients),
-                "rng": self.rng,
-                "last_round_digests": self.last_round_digests,
-                "last_summary": self.last_summary,
-            }
-            write_json(staging / STATE_JSON, meta)
-            replace_dir(staging, path)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        flat = {f"{cid}/{k}": v for cid, st in self.clients.items() for k, v in st.items()}
+        tensors = {
+            MESSENGER: self.messenger,
+            BACKBONE: self.backbone,
+            CONSENSUS: self.consensus,
+            CLIENTS: flat,
+            OPTIM: self.optimizer,
+        }
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "round": self.round,
+            "takd_step": self.takd_step,
+            "clients": sorted(self.clients),
+            "rng": self.rng,
+            "last_round_digests": self.last_round_digests,
+            "last_summary": self.last_summary,
+        }
+        save_state_dir(Path(path), tensors, meta)
 
     @classmethod
     def load(cls, path: str | Path) -> ServerState:
-        path = Path(path)
-        try:
-            meta = json.loads((path / STATE_JSON).read_text())
-            tensors = {name: load_file(path / name) for name in (MESSENGER, BACKBONE, CONSENSUS, CLIENTS, OPTIM)}
-        except FileNotFoundError as err:
-            raise StateError(f"{path}: server state incomplete ({Path(err.filename).name} missing)") from None
-        except (json.JSONDecodeError, OSError, ValueError) as err:
-            raise StateError(f"{path}: server state corrupt ({err})") from None
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise StateError(f"{path}: server state format {meta.get('format_version')} is not supported")
+        names = (MESSENGER, BACKBONE, CONSENSUS, CLIENTS, OPTIM)
+        meta, tensors = load_state_dir(Path(path), names, FORMAT_VERSION, "server state")
         clients: dict[str, dict[str, torch.Tensor]] = {cid: {} for cid in meta["clients"]}
         for key, v in tensors[CLIENTS].items():
             cid, name = key.split("/", 1)

@@ -181,7 +181,7 @@ def test_state_save_is_atomic(tmp_path, monkeypatch):
     def crash(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("ciders_edge.state.write_json", crash)
+    monkeypatch.setattr("ciders_edge.statedir.write_json", crash)
     s.round, s.c_i = 1, {"w": torch.full((2,), 9.0)}
     with pytest.raises(OSError):
         s.save(tmp_path)
