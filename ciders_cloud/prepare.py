@@ -6,13 +6,12 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
-from ciders_edge.atomic import write_json
+from ciders_edge.atomic import staging_dir, write_json
 from ciders_edge.bundle import Bundle, BundleContents, sha256_file
 from ciders_edge.data import load_examples
 from ciders_edge.errors import ConfigError, StateError
@@ -74,8 +73,7 @@ def prepare(run: RunConfig, out: str | Path) -> dict:
         optimizer=distiller.optimizer_state(),
         takd_step=distiller.step_count,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    staging = staging_dir(out)
     try:
         write_json(staging / RUN_CONFIG, run.to_dict())
         state.save(staging / STATE_DIR)

@@ -9,16 +9,19 @@ same result) or, if the state already moved on with exactly these packets, repor
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ciders_edge.bundle import Bundle
+from ciders_edge.config import RoundHyperparams
 from ciders_edge.data import load_examples
 from ciders_edge.errors import PacketError
 from ciders_edge.packet import Packet
 from ciders_edge.profiles import load_profile
+from ciders_edge.train import read_key
 from ciders_edge.update import Tensors, add, norm
 
 from .aggregation import participation_weights, reconstruct_displacement
@@ -32,6 +35,7 @@ from .takd import Distiller
 __all__ = ["aggregate_packets", "aggregate_files", "check_packets", "round_hyperparams_for", "KEYS_DIR"]
 
 KEYS_DIR = "keys"
+CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass
@@ -47,14 +51,18 @@ def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received
     out = []
     for where, data in items:
         client = Packet.peek_client_id(data, where)
+        if not CLIENT_ID.fullmatch(client):
+            raise PacketError(f"{where}: client id {client!r} is not a valid id (letters, digits, . _ -)")
         key_file = run_dir / KEYS_DIR / f"{client}.key"
-        key = key_file.read_bytes().strip() if key_file.is_file() else None
+        key = read_key(key_file) if key_file.is_file() else None
         packet = Packet.from_bytes(data, key, where=where)
         out.append(Received(packet, len(data), hashlib.sha256(data).hexdigest(), where))
     return out
 
 
-def check_packets(received: list[Received], state: ServerState, run: RunConfig, bundle_ids: set[str]) -> None:
+def check_packets(
+    received: list[Received], state: ServerState, run: RunConfig, bundle_ids: set[str], hp: RoundHyperparams
+) -> None:
     """Refuse the whole round if any packet is for another round or bundle, from an unknown or
     repeated client, of the wrong shapes, or not finite."""
     seen: set[str] = set()
@@ -68,6 +76,11 @@ def check_packets(received: list[Received], state: ServerState, run: RunConfig, 
             )
         if run.clients and p.client_id not in run.clients:
             raise PacketError(f"{where}: unknown client id {p.client_id!r}")
+        for name in ("gamma", "alpha"):  # eq. (11) inverts the edge's eq. (10) with the round's values
+            if name in p.metrics and p.metrics[name] != getattr(hp, name):
+                raise PacketError(
+                    f"{where}: trained with {name}={p.metrics[name]}, round {state.round} uses {getattr(hp, name)}"
+                )
         if p.client_id in seen:
             raise PacketError(f"{where}: a second packet from client {p.client_id!r} in round {state.round}")
         seen.add(p.client_id)
@@ -103,11 +116,10 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     if state.last_round_digests and digests == state.last_round_digests and state.round > 0:
         return {**state.last_summary, "already_aggregated": True}
     bundle_ids = {Bundle.load(bundle_path(run_dir, p, state.round)).bundle_id for p in run.profiles}
-    check_packets(received, state, run, bundle_ids)
+    hp = round_hyperparams_for(run, state.round)
+    check_packets(received, state, run, bundle_ids, hp)
     if not received:
         raise PacketError("no packets given; a round needs at least one")
-
-    hp = round_hyperparams_for(run, state.round)
     strategy = get_strategy(run.algorithm)
     deltas, new_clients = _reconstruct(received, state, hp)  # (11)
     weights = participation_weights([r.packet.num_examples for r in received])

@@ -171,7 +171,7 @@ def _client_record(t: int, cid: str, hp: RoundHyperparams, s: dict, diag: dict, 
 
 def _materialize_data(cfg: SimConfig, root: Path, ids: list[str]) -> dict[str, str]:
     """Write each client's train/eval JSONL; returns each client's domain label (for the NLL matrix)."""
-    if cfg.partition == "per-file" or (len(cfg.data) == cfg.clients and len(cfg.data) > 1):
+    if cfg.partition == "per-file":
         if len(cfg.data) != cfg.clients:
             raise ConfigError(f"per-file partition needs one --data file per client: {len(cfg.data)} for {cfg.clients}")
         parts = [read_jsonl(f) for f in cfg.data]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-__all__ = ["write_bytes", "write_json", "write_safetensors", "replace_dir", "fsync_dir"]
+__all__ = ["write_bytes", "write_json", "write_safetensors", "replace_dir", "recover_dir", "staging_dir", "fsync_dir"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -24,12 +24,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def staging_dir(target: Path) -> Path:
+    """A fresh hidden folder beside ``target`` with normal permissions (mkdtemp's 0700 would
+    otherwise stick to the published folder)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    path.chmod(0o777 & ~_umask())
+    return path
+
+
 def write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically."""
+    """Write ``data`` to ``path`` atomically, with the permissions of a normally created file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -60,6 +76,7 @@ def replace_dir(staging: Path, target: Path) -> None:
     An existing ``target`` is renamed aside first and removed only after the swap, so a crash
     leaves either the old directory or the new one (plus, at worst, a stale ``.old`` folder).
     """
+    recover_dir(target)
     old = target.with_name(f".{target.name}.old")
     if old.exists():
         shutil.rmtree(old)
@@ -69,3 +86,12 @@ def replace_dir(staging: Path, target: Path) -> None:
     fsync_dir(target.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+def recover_dir(target: Path) -> None:
+    """Finish an interrupted :func:`replace_dir`: if the crash came between its two renames, the
+    previous folder is still whole under its ``.old`` name; put it back."""
+    old = target.with_name(f".{target.name}.old")
+    if not target.exists() and old.exists():
+        os.replace(old, target)
+        fsync_dir(target.parent)

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import __version__
-from .atomic import fsync_dir, replace_dir, write_json, write_safetensors
+from .atomic import fsync_dir, replace_dir, staging_dir, write_json, write_safetensors
 from .errors import BundleError
 
 __all__ = ["Bundle", "BundleContents", "MANIFEST", "sha256_file", "producer_versions"]
@@ -110,8 +109,7 @@ class Bundle:
     def save(cls, out: str | Path, contents: BundleContents, previous: Bundle | None = None) -> Bundle:
         """Write a bundle atomically; files identical to ``previous``'s become hard links to them."""
         out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        staging = staging_dir(out)
         try:
             _write_contents(staging, contents)
             files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}

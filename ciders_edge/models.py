@@ -9,13 +9,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .atomic import replace_dir
+from .atomic import replace_dir, staging_dir
 from .errors import ModelError
 
 __all__ = ["ciders_home", "resolve_model", "load_model", "load_tokenizer", "EMBEDDED"]
@@ -72,7 +71,7 @@ def _cached(name: str, build) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    staging = staging_dir(target)
     try:
         build(staging)
         replace_dir(staging, target)

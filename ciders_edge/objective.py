@@ -77,7 +77,7 @@ class MessengerObjective:
                 loss = self.loss(mb) / len(batch.micro)
                 loss.backward()
                 total += float(loss.detach())
-        return total, {name: p.grad.detach().clone() for name, p in self.params.items()}
+        return total, {name: p.grad.detach().to(x[name].device, copy=True) for name, p in self.params.items()}
 
     def loss(self, mb: MicroBatch) -> torch.Tensor:
         logits = messenger_logits(self.edge.model, mb.hidden, mb.ctx, self.edge.split.n_kept, mb.positions)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import recover_dir
 from .statedir import load_state_dir, save_state_dir
 from .update import Tensors
 
@@ -54,6 +55,7 @@ class ClientState:
     def load(cls, path: str | Path) -> ClientState | None:
         """The saved state, or ``None`` for a folder that holds none yet."""
         cur = Path(path) / CURRENT
+        recover_dir(cur)
         if not cur.exists():
             return None
         meta, t = load_state_dir(cur, (CONSENSUS, MESSENGER, RNG), FORMAT_VERSION, "client state")

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .atomic import replace_dir, write_json, write_safetensors
+from .atomic import recover_dir, replace_dir, staging_dir, write_json, write_safetensors
 from .errors import StateError
 
 __all__ = ["save_state_dir", "load_state_dir", "STATE_JSON"]
@@ -23,8 +23,7 @@ STATE_JSON = "state.json"
 
 def save_state_dir(path: Path, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
     """Write ``tensors[name]`` to ``name`` and ``meta`` to ``state.json`` in a staging folder, then swap it in."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    staging = staging_dir(path)
     try:
         for name, group in tensors.items():
             write_safetensors(staging / name, group)
@@ -36,12 +35,13 @@ def save_state_dir(path: Path, tensors: dict[str, dict[str, torch.Tensor]], meta
 
 def load_state_dir(path: Path, names: tuple[str, ...], version: int, what: str) -> tuple[dict, dict[str, dict]]:
     """Read a folder written by :func:`save_state_dir`; any damage is a one-line :class:`StateError`."""
+    recover_dir(path)
     try:
         meta = json.loads((path / STATE_JSON).read_text())
         tensors = {name: load_file(path / name) for name in names}
     except FileNotFoundError as err:
         raise StateError(f"{path}: {what} incomplete ({Path(err.filename).name} missing)") from None
-    except (json.JSONDecodeError, OSError, ValueError) as err:
+    except (json.JSONDecodeError, OSError, ValueError, SafetensorError) as err:
         raise StateError(f"{path}: {what} corrupt ({err})") from None
     if meta.get("format_version") != version:
         raise StateError(f"{path}: {what} format {meta.get('format_version')} is not supported")

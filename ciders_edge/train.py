@@ -111,6 +111,8 @@ def train_round(
         "solver": hp.solver,
         "dc_norm": norm(result.dc),
         "delta_norm": norm(result.delta),
+        "gamma": hp.gamma,  # the cloud inverts eq. (10) with these: they must be the round's
+        "alpha": hp.alpha,
     }
     data = Packet(client_id, bundle.round, bundle.bundle_id, codec, len(examples), result.dc, metrics).to_bytes(key)
     packet = Packet.from_bytes(data, key)

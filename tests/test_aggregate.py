@@ -160,3 +160,16 @@ def test_kill_9_at_any_moment_then_rerun_equals_uninterrupted(round0, tmp_path):
         assert rerun.returncode == 0, rerun.stderr
         assert _state_bytes(run) == expected, when
         assert Bundle.load(run / bundles_dir / "round-0001").manifest["files"] == expected_bundle
+
+
+def test_packet_trained_with_another_gamma_or_a_bad_id_is_refused(round0, tmp_path):
+    run, packets = _copy(round0, tmp_path)
+    p = Packet.load(packets[0])
+    Packet(p.client_id, 0, p.bundle_id, p.codec, p.num_examples, p.tensors, {**p.metrics, "gamma": 0.5}).save(
+        tmp_path / "g.pkt"
+    )
+    r = runner.invoke(cloud, _args(run, [str(tmp_path / "g.pkt")]))
+    assert r.exit_code == 1 and "trained with gamma=0.5, round 0 uses 0.01" in r.stderr
+    Packet("../../etc/x", 0, p.bundle_id, p.codec, p.num_examples, p.tensors).save(tmp_path / "x.pkt")
+    r = runner.invoke(cloud, _args(run, [str(tmp_path / "x.pkt")]))
+    assert r.exit_code == 1 and "is not a valid id" in r.stderr

@@ -188,3 +188,23 @@ def test_state_save_is_atomic(tmp_path, monkeypatch):
     again = ClientState.load(tmp_path)
     assert again.round == 0 and torch.equal(again.c_i["w"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["current"]
+
+
+def test_state_survives_a_crash_between_the_two_renames(tmp_path):
+    """replace_dir moves the old folder aside, then the new one in; a crash between leaves only
+    `.current.old`: loading puts it back instead of starting from an empty state."""
+    s = ClientState("c0", "r" * 64, [0, 2, 5], 3, "b" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+    s.save(tmp_path)
+    (tmp_path / "current").rename(tmp_path / ".current.old")
+    loaded = ClientState.load(tmp_path)
+    assert loaded is not None and loaded.round == 3 and (tmp_path / "current").is_dir()
+
+
+def test_corrupt_state_file_is_a_state_error(tmp_path):
+    from ciders_edge.errors import StateError
+
+    s = ClientState("c0", "r" * 64, [0, 2, 5], 0, "b" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+    s.save(tmp_path)
+    (tmp_path / "current" / "consensus.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(StateError, match="client state corrupt"):
+        ClientState.load(tmp_path)

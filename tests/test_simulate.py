@@ -12,6 +12,7 @@ from ciders_cloud.strategies import STRATEGIES
 
 FAST = dict(
     model="tiny",
+    partition="per-file",
     clients=3,
     rounds=3,
     local_steps=2,
