@@ -84,7 +84,7 @@ def prepare(run: RunConfig, out: str | Path) -> dict:
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return _summary(out, run, split, records, {p: out / b.relative_to(staging) for p, b in bundles.items()})
+    return _summary(out, run, split, records, {p: out / b.path.relative_to(staging) for p, b in bundles.items()})
 
 
 def distill(run_dir: str | Path, steps: int) -> dict:
@@ -102,7 +102,7 @@ def distill(run_dir: str | Path, steps: int) -> dict:
     state.save(run_dir / STATE_DIR)
     append_log(run_dir / DISTILL_LOG, records)
     bundles = write_bundles(run_dir, run, models, state, [load_profile(p) for p in run.profiles])
-    return _summary(run_dir, run, models.split, records, bundles)
+    return _summary(run_dir, run, models.split, records, {p: b.path for p, b in bundles.items()})
 
 
 def load_run(run_dir: Path) -> RunConfig:
@@ -118,14 +118,13 @@ def bundle_path(run_dir: Path, profile: str, round_: int) -> Path:
 
 def write_bundles(
     run_dir: Path, run: RunConfig, models: CloudModels, state: ServerState, profiles: list[DeviceProfile]
-) -> dict[str, Path]:
-    """Write round ``state.round``'s bundle for every profile; unchanged frozen files are hard-linked."""
+) -> dict[str, Bundle]:
+    """Write round ``state.round``'s bundle for every profile; unchanged files are hard-linked."""
     out = {}
     for profile in profiles:
         path = bundle_path(run_dir, profile.name, state.round)
         previous = _latest_bundle(run_dir / BUNDLES_DIR / profile.name)
-        Bundle.save(path, _contents(run, models, state, profile), previous)
-        out[profile.name] = path
+        out[profile.name] = Bundle.save(path, _contents(run, models, state, profile), previous)
     return out
 
 

@@ -154,10 +154,8 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         last_summary=summary,
     )
     bundles = write_bundles(run_dir, run, models, new, [load_profile(p) for p in run.profiles])
-    summary["bundles"] = {k: str(p) for k, p in bundles.items()}
-    summary["bytes_down"] = {
-        k: Bundle.load(p).delta_bytes(Bundle.load(bundle_path(run_dir, k, state.round))) for k, p in bundles.items()
-    }
+    summary["bundles"] = {k: str(b.path) for k, b in bundles.items()}
+    summary["bytes_down"] = {k: b.new_bytes for k, b in bundles.items()}
     new.last_summary = summary
     new.save(run_dir / STATE_DIR)  # the commit point
     append_log(run_dir / DISTILL_LOG, records)

@@ -94,6 +94,7 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
     rng = random.Random(cfg.seed)
     strategy = get_strategy(cfg.algorithm)
     last_eval: dict = {}
+    down = Bundle.load(bundle_path(run_dir, cfg.profile, 0)).delta_bytes(None)  # round 0: the whole bundle
     for t in range(cfg.rounds):
         started = time.perf_counter()
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
@@ -120,8 +121,8 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
             deltas, {c: o.result.first_direction for c, o in outputs.items()}, weights, t, hp.gamma, hp.alpha
         )
         wall = time.perf_counter() - started
-        down = Bundle.load(bundle).delta_bytes(Bundle.load(bundle_path(run_dir, cfg.profile, t - 1)) if t else None)
         records = [_client_record(t, cid, hp, summaries[cid], diag[cid], down) for cid in participants]
+        down = agg["bytes_down"][cfg.profile]  # what each client fetches for the next round
         records.append(
             {
                 "type": "round",

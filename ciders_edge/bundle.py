@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import __version__
-from .atomic import fsync_dir, replace_dir, staging_dir, write_json, write_safetensors
+from .atomic import fsync_dir, replace_dir, staging_dir, write_bytes, write_json, write_safetensors
 from .errors import BundleError
 
 __all__ = ["Bundle", "BundleContents", "MANIFEST", "sha256_file", "producer_versions"]
@@ -71,10 +71,11 @@ class BundleContents:
 class Bundle:
     """A verified bundle on disk."""
 
-    def __init__(self, path: Path, manifest: dict, bundle_id: str) -> None:
+    def __init__(self, path: Path, manifest: dict, bundle_id: str, new_bytes: int | None = None) -> None:
         self.path = path
         self.manifest = manifest
         self.bundle_id = bundle_id  # sha256 of manifest.json: names this exact bundle in packets
+        self.new_bytes = new_bytes  # set by save(): bytes not shared with the previous bundle
 
     @property
     def round(self) -> int:
@@ -126,11 +127,15 @@ class Bundle:
                 },
                 "files": files,
             }
-            write_json(staging / MANIFEST, manifest)
+            raw = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+            write_bytes(staging / MANIFEST, raw)
             replace_dir(staging, out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return cls.load(out)
+        # every file was hashed while writing; no need to read them back
+        bundle = cls(out, manifest, hashlib.sha256(raw).hexdigest())
+        bundle.new_bytes = bundle.delta_bytes(previous)
+        return bundle
 
     def delta_bytes(self, previous: Bundle | None) -> int:
         """Bytes an edge holding ``previous`` downloads for this bundle: files whose content changed."""

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from .assembly import backbone_hidden, messenger_logits, response_positions
 from .data import Example, collate
 from .emu import EdgeModel
-from .lora import MESSENGER, lora_parameters
+from .lora import MESSENGER, copy_into, lora_parameters
 from .update import Tensors
 
 __all__ = ["use_messenger", "response_nll", "perplexity", "rouge_l", "exact_match_answer", "generate_answers"]
@@ -18,9 +18,7 @@ __all__ = ["use_messenger", "response_nll", "perplexity", "rouge_l", "exact_matc
 
 def use_messenger(edge: EdgeModel, x: Tensors) -> None:
     """Load messenger LoRA ``x`` (global v or a personalized x_K) into the model."""
-    with torch.no_grad():
-        for name, p in lora_parameters(edge.model, MESSENGER).items():
-            p.copy_(x[name])
+    copy_into(lora_parameters(edge.model, MESSENGER), x)
 
 
 @torch.no_grad()

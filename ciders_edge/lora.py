@@ -25,6 +25,7 @@ __all__ = [
     "set_trainable",
     "lora_state",
     "lora_parameters",
+    "copy_into",
     "load_lora_state",
     "peft_config",
 ]
@@ -103,6 +104,13 @@ def lora_parameters(model: PeftModel, adapter: str) -> dict[str, torch.nn.Parame
         )
         out[key] = params[live]
     return out
+
+
+def copy_into(params: dict[str, torch.nn.Parameter], x: dict[str, torch.Tensor]) -> None:
+    """Write the point ``x`` into live LoRA parameters in place (any device, no graph)."""
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(x[name])
 
 
 def load_lora_state(model: PeftModel, state: dict[str, torch.Tensor], adapter: str) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .assembly import Context, backbone_hidden, messenger_logits, response_positions
 from .data import Example, batch_stream
 from .emu import EdgeModel
-from .lora import MESSENGER, lora_parameters
+from .lora import MESSENGER, copy_into, lora_parameters
 from .update import Tensors
 
 __all__ = ["MessengerObjective", "MicroBatch"]
@@ -65,9 +65,7 @@ class MessengerObjective:
         return Batch(micro, self.rng.getrandbits(63))
 
     def gradient(self, x: Tensors, batch: Batch) -> tuple[float, Tensors]:
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(x[name])
+        copy_into(self.params, x)
         for p in self.params.values():
             p.grad = None
         total = 0.0
@@ -85,6 +83,4 @@ class MessengerObjective:
 
     def load(self, x: Tensors) -> None:
         """Leave the model holding messenger ``x`` (e.g. the personalized one after training)."""
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(x[name])
+        copy_into(self.params, x)
