@@ -1,5 +1,6 @@
 # Two entry points: `make demo` (the main job on the embedded SmolLM2) and `make test`.
-# The demo: generated data -> prepare (split + TAKD) -> two edges train -> the cloud aggregates.
+# The demo: generated data -> prepare (split + TAKD) -> two edges train -> the cloud aggregates
+# -> one edge exports its personalized model to ONNX int8 and answers a prompt with it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
@@ -33,6 +34,11 @@ demo: install
 		--state $(DEMO)/edge-units --client-id units --steps 5 --lr 5e-4 --codec int8 --out $(DEMO)/units.pkt
 	# the cloud closes the round: round 1's bundle
 	$(BIN)/ciders-cloud aggregate --run $(DEMO)/run --packets $(DEMO)/dates.pkt --packets $(DEMO)/units.pkt
+	# the dates edge runs its personalized model on-device: ONNX int8, streamed
+	$(BIN)/ciders-edge export --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000 --state $(DEMO)/edge-dates \
+		--format onnx --quantize int8 --out $(DEMO)/edge-dates-onnx
+	$(BIN)/ciders-edge infer --export $(DEMO)/edge-dates-onnx --runtime onnx --stream --max-new-tokens 48 \
+		--prompt "What day of the week comes two days after Monday?"
 
 test: install
 	$(BIN)/pytest -q

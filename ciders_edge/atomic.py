@@ -12,7 +12,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-__all__ = ["write_bytes", "write_json", "write_safetensors", "replace_dir", "recover_dir", "staging_dir", "fsync_dir"]
+__all__ = [
+    "write_bytes",
+    "write_json",
+    "write_safetensors",
+    "replace_dir",
+    "recover_dir",
+    "staging_dir",
+    "fsync_dir",
+    "fsync_tree",
+]
 
 
 def fsync_dir(path: Path) -> None:
@@ -22,6 +31,18 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file and folder under ``path``: for folders a library wrote (``save_pretrained``,
+    an ONNX exporter) before they are swapped into place."""
+    for p in sorted(path.rglob("*"), reverse=True):
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+        else:
+            fsync_dir(p)
+    fsync_dir(path)
 
 
 def _umask() -> int:

@@ -81,6 +81,14 @@ class Bundle:
     def round(self) -> int:
         return int(self.manifest["round"])
 
+    @property
+    def frozen_digest(self) -> str:
+        """Hash of everything but the round's global LoRA and consensus: the model a personalized
+        messenger was trained against. Two bundles with the same digest run that messenger identically."""
+        round_files = (f"{ADAPTER_DIR}/", CONSENSUS_FILE)
+        frozen = sorted((rel, d) for rel, d in self.manifest["files"].items() if not rel.startswith(round_files))
+        return hashlib.sha256(json.dumps(frozen).encode()).hexdigest()
+
     @classmethod
     def load(cls, path: str | Path) -> Bundle:
         """Open a bundle, verifying the manifest and the checksum of every file.

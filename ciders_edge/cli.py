@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated
 
@@ -10,8 +13,12 @@ from rich.table import Table
 
 from .bundle import Bundle
 from .cli_utils import run_command
+from .errors import ConfigError
+from .generation import GenerationSettings
+from .infer import answer, answer_file
 from .profiles import GIB, detect_profile, list_profiles, load_profile
-from .progress import LazyBar, console
+from .progress import LazyBar, console, status
+from .runtime import open_runtime
 from .train import read_key
 from .train import train as train_run
 
@@ -164,6 +171,85 @@ def train(
         )
 
     run_command(body, as_json, render)
+
+
+@app.command()
+def infer(
+    prompt: Annotated[str | None, typer.Option(help="One prompt to answer.")] = None,
+    input: Annotated[Path | None, typer.Option("--input", help="JSONL of prompts (any training schema).")] = None,
+    output: Annotated[Path | None, typer.Option(help="JSONL to write the answers to (with --input).")] = None,
+    bundle: Annotated[Path | None, typer.Option(help="Bundle folder (torch runtime).")] = None,
+    state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
+    export: Annotated[Path | None, typer.Option(help="Export folder from `ciders-edge export`.")] = None,
+    use_global: Annotated[bool, typer.Option("--global", help="Run the bundle's global messenger.")] = False,
+    runtime: Annotated[str | None, typer.Option(help="torch or onnx (default: the export's, else torch).")] = None,
+    profile: Annotated[str | None, typer.Option(help="Device profile: dtype, device, ONNX providers.")] = None,
+    stream: Annotated[bool, typer.Option(help="Print the answer as it is generated.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Answer a prompt (or a JSONL file) with the personalized model, in torch or ONNX Runtime."""
+
+    def body() -> dict:
+        if (prompt is None) == (input is None):
+            raise ConfigError("pass exactly one of --prompt or --input")
+        if input is not None and output is None:
+            raise ConfigError("--input needs --output (the JSONL file to write)")
+        settings = GenerationSettings(max_new_tokens, temperature, top_p, seed)
+        prof = load_profile(profile) if profile else None
+        with status("loading the model"):
+            rt = open_runtime(runtime, bundle=bundle, state=state, export=export, use_global=use_global, profile=prof)
+        summary = {"runtime": rt.name, "providers": rt.providers, "source": rt.source}
+        if prompt is not None:
+            g = answer(rt, prompt, settings, _print_text if stream else None)
+            if stream:
+                sys.stdout.write("\n")
+            return {**summary, **g.to_dict()}
+        with LazyBar("prompts") as bar:
+            gens = answer_file(rt, input, output, settings, lambda i, n: bar.update(n, f"{i}/{n}"))
+        return {**summary, "answers": len(gens), "output": str(output), **_rates(gens)}
+
+    def render(s: dict) -> None:
+        if "text" in s and not stream:
+            sys.stdout.write(s["text"] + "\n")
+        src = s["source"]
+        who = f"client {src['client_id']} round {src['state_round']}" if src["messenger"] == "personalized" else (
+            f"global messenger round {src['round']}"
+        )
+        what = f"{s['new_tokens']} tokens" if "text" in s else f"{s['answers']} answers → {s['output']}"
+        console.print(
+            f"[dim]{what}, first token {s['first_token_s']:.2f} s, {s['decode_tokens_per_s']:.1f} tok/s "
+            f"({s['runtime']}, {who})[/]"
+        )
+
+    run_command(body, as_json, render)
+
+
+def _print_text(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _rates(gens: list) -> dict:
+    """Medians over a file's answers."""
+    return {
+        "first_token_s": statistics.median(g.first_token_s for g in gens),
+        "decode_tokens_per_s": statistics.median(g.decode_tokens_per_s for g in gens),
+        "new_tokens": sum(g.new_tokens for g in gens),
+    }
+
+
+def _add_plugin_commands() -> None:
+    """Commands other packages contribute (``export`` adds export and bench): entry-point group
+    ``ciders_edge.commands``, so this light runtime never imports them itself."""
+    for ep in entry_points(group="ciders_edge.commands"):
+        app.command(ep.name)(ep.load())
+
+
+_add_plugin_commands()
 
 
 def main() -> None:

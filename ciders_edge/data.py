@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .errors import DataError
 
-__all__ = ["Example", "read_jsonl", "to_chat", "encode", "load_examples", "collate", "batch_stream"]
+__all__ = ["Example", "read_jsonl", "to_chat", "to_prompt", "encode", "load_examples", "collate", "batch_stream"]
 
 IGNORE = -100
 
@@ -75,6 +75,22 @@ def to_chat(record: dict) -> tuple[list[dict], str]:
     raise DataError(
         f"{where}: unknown record schema (keys: {keys}); expected Alpaca, Dolly, GSM8K question/answer or chat messages"
     )
+
+
+def to_prompt(record: dict) -> list[dict]:
+    """The prompt messages of a record for inference: its response, if any, is not needed.
+
+    Besides the training schemas, a bare ``{"prompt": "..."}`` works.
+    """
+    if "prompt" in record and isinstance(record["prompt"], str):
+        return [{"role": "user", "content": record["prompt"]}]
+    if "messages" in record and record["messages"] and record["messages"][-1].get("role") != "assistant":
+        return [dict(m) for m in record["messages"]]
+    if "instruction" in record and "output" not in record and "response" not in record:
+        record = {**record, "output": ""}
+    if "question" in record and "answer" not in record:
+        record = {**record, "answer": ""}
+    return to_chat(record)[0]
 
 
 def encode(

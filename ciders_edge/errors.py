@@ -33,3 +33,7 @@ class PacketError(CidersError, ValueError):
 
 class StateError(CidersError, OSError):
     """Client or server state is missing, corrupt or made for something else."""
+
+
+class ExportError(CidersError, OSError):
+    """An exported model folder is missing files, fails its checksums or does not match."""

@@ -18,7 +18,15 @@ from transformers import PretrainedConfig
 from .config import ConfigMixin
 from .errors import ConfigError
 
-__all__ = ["DeviceProfile", "MemoryEstimate", "list_profiles", "load_profile", "detect_profile", "estimate_memory"]
+__all__ = [
+    "DeviceProfile",
+    "MemoryEstimate",
+    "list_profiles",
+    "load_profile",
+    "detect_profile",
+    "estimate_memory",
+    "pick_device",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGETS = ("cpu", "cuda", "jetson")
@@ -101,6 +109,13 @@ def detect_profile() -> DeviceProfile:
     if torch.cuda.is_available():
         return load_profile("cuda-24gb")
     return load_profile("cpu-laptop" if _system_memory_gb() >= 12 else "rpi5-8gb")
+
+
+def pick_device(profile: DeviceProfile | None) -> torch.device:
+    """Where a profile runs torch: its GPU when it targets one and one is there, else the CPU."""
+    if profile is not None and profile.target in ("cuda", "jetson") and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def _system_memory_gb() -> float:

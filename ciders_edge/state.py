@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from .atomic import recover_dir
+from .bundle import Bundle
+from .errors import StateError
 from .statedir import load_state_dir, save_state_dir
 from .update import Tensors
 
@@ -33,10 +35,22 @@ class ClientState:
     kept_layers: list[int]
     round: int = -1
     bundle_id: str = ""  # the bundle the last round trained from
+    frozen_digest: str = ""  # that bundle's frozen parts (Bundle.frozen_digest): what `personalized` runs on
     c_i: Tensors = field(default_factory=dict)
     personalized: Tensors = field(default_factory=dict)
     counters: dict = field(default_factory=lambda: {"rounds": 0, "steps": 0, "examples_seen": 0})
     rng: torch.Tensor | None = None  # torch CPU generator state
+
+    def check_model(self, bundle: Bundle) -> None:
+        """Refuse a bundle of another base model or split: nothing of this state applies to it."""
+        m = bundle.manifest
+        model, revision, kept = m["base_model"]["id"], m["base_model"]["revision"], m["split"]["kept"]
+        if self.model_revision != revision or self.kept_layers != kept:
+            raise StateError(
+                f"this state was made for another model or split (model {self.model_revision[:12]}, "
+                f"{len(self.kept_layers)} kept layers); the bundle is {model} {revision[:12]} with {len(kept)} "
+                "kept layers; use a new --state folder"
+            )
 
     def save(self, path: str | Path) -> None:
         meta = {
@@ -46,6 +60,7 @@ class ClientState:
             "kept_layers": self.kept_layers,
             "round": self.round,
             "bundle_id": self.bundle_id,
+            "frozen_digest": self.frozen_digest,
             "counters": self.counters,
         }
         rng = {"torch": self.rng} if self.rng is not None else {}
@@ -66,6 +81,7 @@ class ClientState:
             meta["kept_layers"],
             meta["round"],
             meta["bundle_id"],
+            meta.get("frozen_digest", ""),
             c_i,
             personalized,
             meta["counters"],

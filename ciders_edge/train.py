@@ -24,11 +24,11 @@ from .errors import ConfigError, PacketError, StateError
 from .local import LocalResult, local_update
 from .objective import MessengerObjective
 from .packet import Packet
-from .profiles import DeviceProfile, load_profile
+from .profiles import DeviceProfile, load_profile, pick_device
 from .state import METRICS_LOG, ClientState
 from .update import add, norm, reconstruct_displacement
 
-__all__ = ["RoundOutput", "train_round", "train", "train_files", "round_hyperparams", "pick_device", "read_key"]
+__all__ = ["RoundOutput", "train_round", "train", "train_files", "round_hyperparams", "read_key"]
 
 
 @dataclass
@@ -48,24 +48,11 @@ def round_hyperparams(bundle: Bundle, profile: DeviceProfile | None, overrides: 
     return hp.replace(**overrides)
 
 
-def pick_device(profile: DeviceProfile | None) -> torch.device:
-    if profile is not None and profile.target in ("cuda", "jetson") and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 def check_state(state: ClientState | None, bundle: Bundle) -> None:
     """Refuse a state made for another model or split, or a bundle older than the state."""
     if state is None:
         return
-    m = bundle.manifest
-    model, revision, kept = m["base_model"]["id"], m["base_model"]["revision"], m["split"]["kept"]
-    if state.model_revision != revision or state.kept_layers != kept:
-        raise StateError(
-            f"this state was made for another model or split (model {state.model_revision[:12]}, "
-            f"{len(state.kept_layers)} kept layers); the bundle is {model} {revision[:12]} with {len(kept)} "
-            "kept layers; use a new --state folder"
-        )
+    state.check_model(bundle)
     if bundle.round < state.round:
         raise StateError(f"bundle round {bundle.round} is older than this state's round {state.round}")
     if bundle.round == state.round:
@@ -122,6 +109,7 @@ def train_round(
         state.kept_layers,
         bundle.round,
         bundle.bundle_id,
+        bundle.frozen_digest,
         c_i=add(state.c_i, packet.tensors),  # the compression rule: advance by what the cloud decodes
         personalized=result.x_final,
         counters={

@@ -1,5 +1,9 @@
-"""Export of a personalized AdapEmu (merged Hugging Face folder, ONNX, int8).
+"""Export of a personalized AdapEmu: a merged Hugging Face folder, ONNX with KV cache, int8.
 
-Not built yet (issue 5): the package exists so the layout and the import direction
-(``export`` imports ``ciders_edge``, never the reverse) are fixed from the start.
+``export`` imports ``ciders_edge`` (model assembly, the export-folder format), never the reverse:
+its commands join ``ciders-edge`` through the ``ciders_edge.commands`` entry-point group.
 """
+
+from .api import export_model
+
+__all__ = ["export_model"]

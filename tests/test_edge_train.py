@@ -173,7 +173,7 @@ def test_cli_train_refuses_non_finite_updates(bundle_dir, demo_dir, tmp_path):
 
 
 def test_state_save_is_atomic(tmp_path, monkeypatch):
-    s = ClientState("c0", "r" * 64, [0, 2, 5], 0, "b" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+    s = ClientState("c0", "r" * 64, [0, 2, 5], 0, "b" * 64, "f" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
     s.save(tmp_path)
     loaded = ClientState.load(tmp_path)
     assert loaded.round == 0 and torch.equal(loaded.c_i["w"], torch.ones(2))
@@ -193,7 +193,7 @@ def test_state_save_is_atomic(tmp_path, monkeypatch):
 def test_state_survives_a_crash_between_the_two_renames(tmp_path):
     """replace_dir moves the old folder aside, then the new one in; a crash between leaves only
     `.current.old`: loading puts it back instead of starting from an empty state."""
-    s = ClientState("c0", "r" * 64, [0, 2, 5], 3, "b" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+    s = ClientState("c0", "r" * 64, [0, 2, 5], 3, "b" * 64, "f" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
     s.save(tmp_path)
     (tmp_path / "current").rename(tmp_path / ".current.old")
     loaded = ClientState.load(tmp_path)
@@ -203,7 +203,7 @@ def test_state_survives_a_crash_between_the_two_renames(tmp_path):
 def test_corrupt_state_file_is_a_state_error(tmp_path):
     from ciders_edge.errors import StateError
 
-    s = ClientState("c0", "r" * 64, [0, 2, 5], 0, "b" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+    s = ClientState("c0", "r" * 64, [0, 2, 5], 0, "b" * 64, "f" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
     s.save(tmp_path)
     (tmp_path / "current" / "consensus.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(StateError, match="client state corrupt"):

@@ -1,0 +1,115 @@
+"""Exported model folders: a personalized model as plain Hugging Face files or ONNX, with a manifest.
+
+The folder is what a user deploys: ``hf`` loads in plain ``AutoModelForCausalLM.from_pretrained``,
+``onnx`` in optimum's ``ORTModelForCausalLM``. ``manifest.json`` records where the model came from
+(bundle, client, round) and the sha256 of every file; :meth:`Export.load` verifies them all.
+Writing lives in the ``export`` package; the edge runtime only reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .bundle import producer_versions, sha256_file
+from .errors import ExportError
+
+__all__ = ["Export", "export_manifest", "FORMAT", "MANIFEST", "ONNX_FILE", "FORMATS", "QUANTIZATIONS"]
+
+FORMAT = "ciders-export"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ONNX_FILE = "model.onnx"
+FORMATS = ("hf", "onnx")
+QUANTIZATIONS = ("none", "int8", "int8-dynamic")
+
+
+def export_manifest(folder: Path, fmt: str, quantize: str, source: dict, extra: dict | None = None) -> dict:
+    """The manifest of a fully written export folder (every file hashed)."""
+    files = {
+        str(p.relative_to(folder)): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_format": fmt,
+        "quantize": quantize,
+        "source": source,
+        "producer": producer_versions(),
+        **(extra or {}),
+        "files": files,
+    }
+
+
+@dataclass
+class Export:
+    """A verified export folder."""
+
+    path: Path
+    manifest: dict
+
+    @property
+    def format(self) -> str:
+        return self.manifest["model_format"]
+
+    @property
+    def quantize(self) -> str:
+        return self.manifest["quantize"]
+
+    @property
+    def source(self) -> dict:
+        return self.manifest["source"]
+
+    @property
+    def runtime(self) -> str:
+        """The runtime name ``bench`` and ``infer`` report: torch, onnx, onnx-int8, ..."""
+        if self.format == "hf":
+            return "torch"
+        return "onnx" if self.quantize == "none" else f"onnx-{self.quantize}"
+
+    @classmethod
+    def load(cls, path: str | Path) -> Export:
+        path = Path(path)
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            raise ExportError(f"{path}: not an export folder (no {MANIFEST}); create one with `ciders-edge export`")
+        try:
+            m = json.loads(mpath.read_text())
+        except json.JSONDecodeError as err:
+            raise ExportError(f"{mpath}: corrupt manifest ({err.msg})") from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ExportError(f"{mpath}: not a CIDERS export manifest")
+        if m.get("format_version") != FORMAT_VERSION:
+            raise ExportError(f"{mpath}: export format version {m.get('format_version')} is not supported")
+        for rel, digest in m["files"].items():
+            f = path / rel
+            if not f.is_file():
+                raise ExportError(f"{f}: missing from the export")
+            if sha256_file(f) != digest:
+                raise ExportError(f"{f}: checksum mismatch (the file is corrupt or was changed); export again")
+        return cls(path, m)
+
+    def load_model(self, providers: list[str] | None = None):
+        """The exported model, ready for ``generate``: transformers (hf) or ONNX Runtime (onnx)."""
+        if self.format == "hf":
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(self.path, trust_remote_code=False).eval()
+        from optimum.onnxruntime import ORTModelForCausalLM
+
+        if ONNX_FILE not in self.manifest["files"]:
+            raise ExportError(f"{self.path}: the manifest lists no {ONNX_FILE}")
+        try:
+            return ORTModelForCausalLM.from_pretrained(
+                self.path, file_name=ONNX_FILE, providers=providers or ["CPUExecutionProvider"]
+            )
+        except Exception as err:  # onnxruntime raises its own exception types for bad graphs
+            raise ExportError(f"{self.path / ONNX_FILE}: onnxruntime cannot load it ({err})") from None
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)

@@ -1,0 +1,264 @@
+"""``ciders-edge bench``: the personalized model's runtimes measured side by side on this device.
+
+Each runtime runs in its own process (so its peak memory is its own) on the same chat prompt,
+decoding the same number of tokens; the processes take turns, one generation each, and figures are
+medians over ``repeats`` turns after a warm-up, so the ratios are measured side by side.
+ONNX runtimes are exported first (or reused from ``exports``) with :func:`export_model`, the same
+code as ``ciders-edge export``. The training step is the real edge update (``train_round``) on
+synthetic full-length batches of the profile's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+from ciders_edge.bundle import Bundle
+from ciders_edge.errors import CidersError, ConfigError, ExportError
+from ciders_edge.exported import MANIFEST, Export
+from ciders_edge.profiles import DeviceProfile, load_profile
+
+from .api import export_model
+
+__all__ = ["BenchSettings", "bench", "RUNTIME_CHOICES"]
+
+RUNTIME_CHOICES = {"torch": None, "onnx": "none", "onnx-int8": "int8", "onnx-int8-dynamic": "int8-dynamic"}
+PROMPT = "Explain in a few sentences why a small language model can run on a phone."
+
+
+class BenchError(CidersError, RuntimeError):
+    """A runtime failed while being measured."""
+
+
+@dataclass
+class BenchSettings:
+    runtimes: tuple[str, ...] = ("torch", "onnx", "onnx-int8")
+    new_tokens: int = 64
+    repeats: int = 3
+    train_steps: int = 3  # timed training steps (after one warm-up step); 0 skips training
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.runtimes if r not in RUNTIME_CHOICES]
+        if unknown or not self.runtimes:
+            raise ConfigError(f"--runtimes: unknown {unknown}; choose from {', '.join(RUNTIME_CHOICES)}")
+        if self.new_tokens < 2 or self.repeats < 1 or self.train_steps < 0:
+            raise ConfigError("--new-tokens must be >= 2, --repeats >= 1 and --train-steps >= 0")
+
+
+def bench(
+    bundle: str | Path,
+    state: str | Path | None,
+    profile: str | None,
+    settings: BenchSettings,
+    exports: str | Path | None = None,
+    stage: Callable[[str], AbstractContextManager] = lambda _: nullcontext(),
+) -> dict:
+    """Measure every runtime and the training step; returns rows (one per runtime) and the step.
+
+    ``profile`` defaults to the one the bundle was made for.
+    """
+    use_global = state is None
+    prof = load_profile(profile) if profile else DeviceProfile.from_dict(Bundle.load(bundle).manifest["profile"])
+    with tempfile.TemporaryDirectory(prefix="ciders-bench-") as tmp:
+        root = Path(exports) if exports is not None else Path(tmp)
+        targets = {}
+        for name in settings.runtimes:
+            targets[name] = None
+            if RUNTIME_CHOICES[name] is not None:
+                targets[name] = _export_for(name, bundle, state, use_global, root / name, stage)
+        with stage(f"measuring {', '.join(settings.runtimes)} side by side"):
+            rows = _measure_side_by_side(targets, bundle, state, use_global, prof, settings)
+    train = None
+    if settings.train_steps:
+        with stage("measuring the training step"):
+            train = _in_fresh_process(_measure_train_step, bundle, prof, settings.train_steps)
+    base = next((r for r in rows if r["runtime"] == "torch"), None)
+    for r in rows:
+        r["speedup_vs_torch"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base else None
+    return {
+        "bundle": str(bundle),
+        "profile": prof.name,
+        "messenger": "global" if use_global else "personalized",
+        "new_tokens": settings.new_tokens,
+        "repeats": settings.repeats,
+        "runtimes": rows,
+        "train_step": train,
+    }
+
+
+def _measure_side_by_side(targets: dict, bundle, state, use_global, prof, settings: BenchSettings) -> list[dict]:
+    """One process per runtime, loaded one after another; then generations in turn, round-robin, so
+    slow drifts of the machine (other tenants, clocks) hit every runtime alike."""
+    ctx = multiprocessing.get_context("spawn")
+    workers = []
+    try:
+        for name, export in targets.items():
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_serve_runtime,
+                args=(child, name, bundle, state, use_global, export, prof, settings),
+                daemon=True,
+            )
+            proc.start()
+            workers.append((name, proc, conn, _reply(name, proc, conn)))
+        runs = {name: [] for name in targets}
+        for _ in range(settings.repeats):
+            for name, proc, conn, _info in workers:
+                conn.send("generate")
+                runs[name].append(_reply(name, proc, conn))
+        rows = []
+        for name, proc, conn, info in workers:
+            conn.send("stop")
+            peak = _reply(name, proc, conn)
+            gens = runs[name]
+            rows.append(
+                {
+                    "runtime": name,
+                    **info,
+                    "first_token_s": statistics.median(g["first_token_s"] for g in gens),
+                    "decode_tokens_per_s": statistics.median(g["decode_tokens_per_s"] for g in gens),
+                    "peak_rss_mib": peak,
+                }
+            )
+        return rows
+    finally:
+        for _name, proc, _conn, _info in workers:
+            proc.join(timeout=5)  # after "stop" it exits by itself; after an error it may wait forever
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _reply(name: str, proc, conn):
+    """The worker's next answer; its error, or its death (out of memory?), as one CidersError."""
+    try:
+        kind, value = conn.recv()
+    except EOFError:
+        proc.join(timeout=10)
+        raise BenchError(f"the {name} runtime process died (exit code {proc.exitcode}; out of memory?)") from None
+    if kind == "error":
+        raise BenchError(f"{name}: {value}")
+    return value
+
+
+def _serve_runtime(conn, name, bundle, state, use_global, export, prof: DeviceProfile, settings: BenchSettings) -> None:
+    """Worker: load one runtime, then answer ``generate`` (timings) and ``stop`` (peak RSS)."""
+    try:
+        rt, ids, gen, info = _load_runtime(name, bundle, state, use_global, export, prof, settings)
+        conn.send(("ok", info))
+        from ciders_edge.generation import generate
+
+        while conn.recv() == "generate":
+            g = generate(rt.model, rt.tokenizer, ids, gen)
+            conn.send(("ok", {"first_token_s": g.first_token_s, "decode_tokens_per_s": g.decode_tokens_per_s}))
+        conn.send(("ok", _peak_rss_mib()))
+    except Exception as err:  # reported to the parent, which raises it as one line
+        conn.send(("error", str(err) if isinstance(err, CidersError) else f"{type(err).__name__}: {err}"))
+
+
+def _load_runtime(name, bundle, state, use_global, export, prof: DeviceProfile, settings: BenchSettings):
+    from ciders_edge.cli_utils import quiet_libraries
+    from ciders_edge.generation import GenerationSettings, encode_prompt, generate
+    from ciders_edge.runtime import open_runtime
+
+    quiet_libraries()
+    rss_imports = _peak_rss_mib()
+    start = time.perf_counter()
+    kind = "torch" if export is None else "onnx"
+    rt = open_runtime(kind, bundle=bundle, state=state, export=export, use_global=use_global, profile=prof)
+    load_s = time.perf_counter() - start
+    gen = GenerationSettings(max_new_tokens=settings.new_tokens, min_new_tokens=settings.new_tokens)
+    ids = encode_prompt(rt.tokenizer, [{"role": "user", "content": PROMPT}], rt.context, gen.max_new_tokens)
+    generate(rt.model, rt.tokenizer, ids, gen.replace(max_new_tokens=4, min_new_tokens=4))  # warm-up
+    files = Path(export) if export is not None else Path(bundle)
+    info = {
+        "providers": rt.providers,
+        "files_bytes": sum(f.stat().st_size for f in files.rglob("*") if f.is_file()),
+        "load_s": load_s,
+        "prompt_tokens": int(ids.shape[1]),
+        "rss_after_imports_mib": rss_imports,
+        "check": json.loads((files / MANIFEST).read_text()).get("check") if export is not None else None,
+    }
+    return rt, ids, gen, info
+
+
+def _export_for(name: str, bundle, state, use_global: bool, folder: Path, stage) -> Path:
+    """Reuse ``folder`` if it already holds this runtime's export of this model, else export."""
+    try:
+        exp = Export.load(folder)
+        if exp.runtime == name and exp.source.get("bundle_id") and _same_source(exp, bundle, state, use_global):
+            return folder
+    except ExportError:
+        pass
+    quantize = RUNTIME_CHOICES[name]
+    with stage(f"exporting {name}"):
+        export_model(bundle, state, "onnx", folder, quantize, use_global)
+    return folder
+
+
+def _same_source(exp: Export, bundle, state, use_global: bool) -> bool:
+    from ciders_edge.personalize import personal_messenger
+
+    _, source = personal_messenger(Bundle.load(bundle), state, use_global)
+    return all(exp.source.get(k) == v for k, v in source.to_dict().items())
+
+
+def _in_fresh_process(fn, *args):
+    """Run ``fn`` in a new interpreter: its imports, model and peak RSS are its own."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource  # not Linux: ru_maxrss (bytes on macOS)
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _measure_train_step(bundle, prof: DeviceProfile, steps: int) -> dict:
+    """Median seconds of one real CIDERS edge step (FO or FD as the bundle says) at the profile's shape."""
+    import torch
+
+    from ciders_edge.cli_utils import quiet_libraries
+    from ciders_edge.data import IGNORE, Example
+    from ciders_edge.emu import load_edge_model
+    from ciders_edge.profiles import pick_device
+    from ciders_edge.train import round_hyperparams, train_round
+
+    quiet_libraries()
+    b = Bundle.load(bundle)
+    hp = round_hyperparams(b, prof, {"local_steps": steps + 1})
+    edge = load_edge_model(b, prof.torch_dtype)
+    edge.model.to(pick_device(prof))
+    rng = random.Random(0)
+    vocab, half = edge.model.config.vocab_size, hp.seq_len // 2
+    examples = []
+    for _ in range(hp.batch_size * hp.grad_accum * (steps + 1)):
+        ids = [rng.randrange(vocab) for _ in range(hp.seq_len)]
+        examples.append(Example(ids, [IGNORE] * half + ids[half:]))
+    stamps = []
+    train_round(edge, examples, None, hp, client_id="bench", on_step=lambda _: stamps.append(time.perf_counter()))
+    step_s = statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    return {
+        "solver": hp.solver,
+        "batch_size": hp.batch_size,
+        "grad_accum": hp.grad_accum,
+        "seq_len": hp.seq_len,
+        "step_s": step_s,
+        "tokens_per_s": hp.batch_size * hp.grad_accum * hp.seq_len / step_s,
+        "device": str(pick_device(prof)),
+        "peak_rss_mib": _peak_rss_mib(),
+        "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+    }

@@ -1,0 +1,100 @@
+"""The ``ciders-edge export`` and ``ciders-edge bench`` commands (registered by entry point)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ciders_edge.cli_utils import run_command
+from ciders_edge.progress import console, status
+
+from .api import export_model
+from .bench import BenchSettings, bench
+from .plots import plot_bench
+
+__all__ = ["export_command", "bench_command"]
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
+
+
+def export_command(
+    bundle: Annotated[Path, typer.Option(help="Bundle folder the state trained on.")],
+    out: Annotated[Path, typer.Option(help="Export folder to write (replaced if it is an export).")],
+    state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
+    format: Annotated[str, typer.Option("--format", help="hf (merged transformers folder) or onnx.")] = "hf",
+    quantize: Annotated[str, typer.Option(help="none, int8 (weight-only, blockwise) or int8-dynamic.")] = "none",
+    use_global: Annotated[bool, typer.Option("--global", help="Export the bundle's global messenger.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Merge the personalized messenger (and backbone) LoRA into a standalone model folder, optionally ONNX."""
+
+    def render(s: dict) -> None:
+        c = s["check"]
+        console.print(
+            f"[green]✓[/] {s['out']}: {s['runtime']} model, {s['files']} files, {s['bytes'] / 2**20:.1f} MiB "
+            f"in {s['seconds']:.0f} s; against the AdapEmu: max |Δlogit| {c['max_abs_logit_diff']:.2e}, "
+            f"greedy agreement {c['greedy_agreement']:.1%} of {c['positions']} positions"
+        )
+
+    run_command(lambda: export_model(bundle, state, format, out, quantize, use_global, stage=status), as_json, render)
+
+
+def bench_command(
+    bundle: Annotated[Path, typer.Option(help="Bundle folder.")],
+    state: Annotated[Path | None, typer.Option(help="Client state (default: the bundle's global messenger).")] = None,
+    runtimes: Annotated[str, typer.Option(help="Comma-separated: torch, onnx, onnx-int8, onnx-int8-dynamic.")] = (
+        "torch,onnx,onnx-int8"
+    ),
+    profile: Annotated[str | None, typer.Option(help="Device profile (default: the bundle's).")] = None,
+    new_tokens: Annotated[int, typer.Option(help="Tokens each generation decodes.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed generations per runtime (median reported).")] = 3,
+    train_steps: Annotated[int, typer.Option(help="Timed training steps (0: skip).")] = 3,
+    exports: Annotated[Path | None, typer.Option(help="Keep (and reuse) the ONNX exports in this folder.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of decode speed and memory per runtime.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Decode tokens/s, first-token latency, peak memory and size per runtime; the training step time."""
+
+    def body() -> dict:
+        settings = BenchSettings(
+            tuple(r.strip() for r in runtimes.split(",") if r.strip()), new_tokens, repeats, train_steps
+        )
+        result = bench(bundle, state, profile, settings, exports, stage=status)
+        if plot is not None:
+            plot_bench(result, plot)
+            result["plot"] = str(plot)
+        return result
+
+    run_command(body, as_json, _render_bench)
+
+
+def _render_bench(s: dict) -> None:
+    title = f"{s['bundle']}: {s['messenger']} messenger, profile {s['profile']}"
+    table = Table("runtime", "MiB", "load s", "TTFT ms", "tok/s", "×torch", "RSS MiB", "agree", title=title)
+    for r in s["runtimes"]:
+        agree = f"{r['check']['greedy_agreement']:.1%}" if r.get("check") else "ref"
+        ratio = f"{r['speedup_vs_torch']:.2f}" if r["speedup_vs_torch"] is not None else "—"
+        table.add_row(
+            r["runtime"],
+            f"{r['files_bytes'] / 2**20:.0f}",
+            f"{r['load_s']:.1f}",
+            f"{r['first_token_s'] * 1000:.0f}",
+            f"{r['decode_tokens_per_s']:.1f}",
+            ratio,
+            f"{r['peak_rss_mib']:.0f}",
+            agree,
+        )
+    console.print(f"decode: {s['new_tokens']} new tokens, median of {s['repeats']} generations")
+    console.print(table)
+    t = s.get("train_step")
+    if t:
+        console.print(
+            f"training step ({t['solver'].upper()}, batch {t['batch_size']}×{t['grad_accum']}×{t['seq_len']} tokens, "
+            f"{t['device']}): {t['step_s']:.2f} s ({t['tokens_per_s']:.0f} tokens/s), "
+            f"peak RSS {t['peak_rss_mib']:.0f} MiB"
+        )
+    if s.get("plot"):
+        console.print(f"plot: {s['plot']}")
