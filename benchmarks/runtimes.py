@@ -52,7 +52,7 @@ def main() -> None:
             f"{r['files_bytes'] / 2**20:.0f}",
             f"{r['first_token_s'] * 1000:.0f}",
             f"{r['decode_tokens_per_s']:.1f}",
-            f"{r['speedup_vs_torch']:.2f}x",
+            f"{r['speedup_vs_torch']:.2f}x" if r["speedup_vs_torch"] is not None else "-",
             f"{r['peak_rss_mib']:.0f}",
             f"{r['check']['max_abs_logit_diff']:.2e}" if r.get("check") else "reference",
             f"{r['check']['greedy_agreement']:.1%}" if r.get("check") else "reference",

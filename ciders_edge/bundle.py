@@ -85,9 +85,11 @@ class Bundle:
     def frozen_digest(self) -> str:
         """Hash of everything but the round's global LoRA and consensus: the model a personalized
         messenger was trained against. Two bundles with the same digest run that messenger identically."""
+        m = self.manifest
         round_files = (f"{ADAPTER_DIR}/", CONSENSUS_FILE)
-        frozen = sorted((rel, d) for rel, d in self.manifest["files"].items() if not rel.startswith(round_files))
-        return hashlib.sha256(json.dumps(frozen).encode()).hexdigest()
+        frozen = sorted((rel, d) for rel, d in m["files"].items() if not rel.startswith(round_files))
+        settings = [m["split"], m["lora"], m.get("backbone_lora")]  # the messenger's shape and scaling
+        return hashlib.sha256(json.dumps([frozen, settings], sort_keys=True).encode()).hexdigest()
 
     @classmethod
     def load(cls, path: str | Path) -> Bundle:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from .bundle import Bundle
 from .cli_utils import run_command
+from .data import read_jsonl
 from .errors import ConfigError
 from .generation import GenerationSettings
 from .infer import answer, answer_file
@@ -196,8 +197,13 @@ def infer(
     def body() -> dict:
         if (prompt is None) == (input is None):
             raise ConfigError("pass exactly one of --prompt or --input")
-        if input is not None and output is None:
-            raise ConfigError("--input needs --output (the JSONL file to write)")
+        if (input is None) != (output is None):
+            raise ConfigError("--input and --output go together (prompts in, answers out)")
+        if output is not None and output.is_dir():
+            raise ConfigError(f"--output {output} is a folder; give the JSONL file to write")
+        if export is not None and bundle is None and (state is not None or use_global):
+            raise ConfigError("with --export, --state/--global only check the export: pass --bundle too, or neither")
+        records = read_jsonl(input) if input is not None else None  # bad input fails before the model loads
         settings = GenerationSettings(max_new_tokens, temperature, top_p, seed)
         prof = load_profile(profile) if profile else None
         with status("loading the model"):
@@ -209,21 +215,21 @@ def infer(
                 sys.stdout.write("\n")
             return {**summary, **g.to_dict()}
         with LazyBar("prompts") as bar:
-            gens = answer_file(rt, input, output, settings, lambda i, n: bar.update(n, f"{i}/{n}"))
+            gens = answer_file(rt, records, output, settings, lambda i, n: bar.update(n, f"{i}/{n}"))
         return {**summary, "answers": len(gens), "output": str(output), **_rates(gens)}
 
     def render(s: dict) -> None:
         if "text" in s and not stream:
             sys.stdout.write(s["text"] + "\n")
         src = s["source"]
-        who = f"client {src['client_id']} round {src['state_round']}" if src["messenger"] == "personalized" else (
-            f"global messenger round {src['round']}"
+        who = (
+            f"client {src['client_id']} round {src['state_round']}"
+            if src["messenger"] == "personalized"
+            else (f"global messenger round {src['round']}")
         )
         what = f"{s['new_tokens']} tokens" if "text" in s else f"{s['answers']} answers → {s['output']}"
-        console.print(
-            f"[dim]{what}, first token {s['first_token_s']:.2f} s, {s['decode_tokens_per_s']:.1f} tok/s "
-            f"({s['runtime']}, {who})[/]"
-        )
+        rate = f", {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] is not None else ""
+        console.print(f"[dim]{what}, first token {s['first_token_s']:.2f} s{rate} ({s['runtime']}, {who})[/]")
 
     run_command(body, as_json, render)
 
@@ -235,9 +241,10 @@ def _print_text(text: str) -> None:
 
 def _rates(gens: list) -> dict:
     """Medians over a file's answers."""
+    rates = [g.decode_tokens_per_s for g in gens if g.decode_tokens_per_s is not None]
     return {
         "first_token_s": statistics.median(g.first_token_s for g in gens),
-        "decode_tokens_per_s": statistics.median(g.decode_tokens_per_s for g in gens),
+        "decode_tokens_per_s": statistics.median(rates) if rates else None,
         "new_tokens": sum(g.new_tokens for g in gens),
     }
 
@@ -246,7 +253,10 @@ def _add_plugin_commands() -> None:
     """Commands other packages contribute (``export`` adds export and bench): entry-point group
     ``ciders_edge.commands``, so this light runtime never imports them itself."""
     for ep in entry_points(group="ciders_edge.commands"):
-        app.command(ep.name)(ep.load())
+        try:
+            app.command(ep.name)(ep.load())
+        except ImportError as err:  # a broken plugin must not take `train` down with it
+            console.print(f"[yellow]notice:[/] command {ep.name!r} unavailable ({err})", soft_wrap=True)
 
 
 _add_plugin_commands()

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import recover_dir
 from .bundle import producer_versions, sha256_file
 from .errors import ExportError
 
@@ -73,6 +74,7 @@ class Export:
     @classmethod
     def load(cls, path: str | Path) -> Export:
         path = Path(path)
+        recover_dir(path)
         mpath = path / MANIFEST
         if not mpath.is_file():
             raise ExportError(f"{path}: not an export folder (no {MANIFEST}); create one with `ciders-edge export`")
@@ -84,6 +86,9 @@ class Export:
             raise ExportError(f"{mpath}: not a CIDERS export manifest")
         if m.get("format_version") != FORMAT_VERSION:
             raise ExportError(f"{mpath}: export format version {m.get('format_version')} is not supported")
+        missing = [k for k in ("model_format", "quantize", "source", "files") if k not in m]
+        if missing or m["model_format"] not in FORMATS:
+            raise ExportError(f"{mpath}: manifest lacks {missing or ['a known model_format']}")
         for rel, digest in m["files"].items():
             f = path / rel
             if not f.is_file():
@@ -106,8 +111,10 @@ class Export:
             return ORTModelForCausalLM.from_pretrained(
                 self.path, file_name=ONNX_FILE, providers=providers or ["CPUExecutionProvider"]
             )
-        except Exception as err:  # onnxruntime raises its own exception types for bad graphs
-            raise ExportError(f"{self.path / ONNX_FILE}: onnxruntime cannot load it ({err})") from None
+        except Exception as err:  # onnxruntime's own exception types (bad graph, provider failing to start)
+            raise ExportError(
+                f"{self.path / ONNX_FILE}: onnxruntime failed with providers {providers}: {err}"
+            ) from None
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase, TextStreamer
 from .config import ConfigMixin
 from .errors import ConfigError, DataError
 
-__all__ = ["GenerationSettings", "Generation", "encode_prompt", "generate", "context_length"]
+__all__ = ["GenerationSettings", "Generation", "chat_ids", "encode_prompt", "generate", "context_length"]
 
 
 @dataclass
@@ -51,10 +51,10 @@ class Generation:
     total_s: float
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens per second after the first one (the steady decode rate)."""
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second after the first one (the steady decode rate); None below two tokens."""
         rest = self.total_s - self.first_token_s
-        return (self.new_tokens - 1) / rest if self.new_tokens > 1 and rest > 0 else float("nan")
+        return (self.new_tokens - 1) / rest if self.new_tokens > 1 and rest > 0 else None
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "decode_tokens_per_s": self.decode_tokens_per_s}
@@ -64,13 +64,17 @@ def context_length(config) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 2048)
 
 
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> torch.Tensor:
+    """Token ids (1, T) of ``messages`` in the model's chat template."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, return_tensors="pt")
+    return ids["input_ids"] if hasattr(ids, "input_ids") else ids  # some tokenizers return a BatchEncoding
+
+
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], context: int, max_new_tokens: int, where: str = "prompt"
 ) -> torch.Tensor:
     """Token ids of the chat prompt (1, T); refuses one that leaves no room for the answer."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-    if hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
+    ids = chat_ids(tokenizer, messages, add_generation_prompt=True)
     if ids.shape[1] + max_new_tokens > context:
         raise DataError(
             f"{where}: {ids.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed the model's context "
@@ -109,6 +113,7 @@ def generate(
 ) -> Generation:
     """Generate one answer (batch 1, as on a device); ``on_text`` receives it as it is decoded."""
     streamer = _TimedStreamer(tokenizer, on_text)
+    input_ids = input_ids.to(model.device)
     torch.manual_seed(settings.seed)
     start = time.perf_counter()
     out = model.generate(

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .atomic import write_bytes
-from .data import read_jsonl, to_prompt
+from .data import to_prompt
 from .generation import Generation, GenerationSettings, encode_prompt, generate
 from .runtime import Runtime
 
@@ -24,17 +24,16 @@ def answer(
 
 def answer_file(
     rt: Runtime,
-    src: str | Path,
+    records: list[dict],
     dst: str | Path,
     settings: GenerationSettings,
     on_record: Callable[[int, int], None] | None = None,
 ) -> list[Generation]:
-    """Answer every record of ``src``; ``dst`` gets each record plus ``prediction``, all or nothing.
+    """Answer every record (from :func:`read_jsonl`); ``dst`` gets each plus ``prediction``, all or nothing.
 
     Every prompt is encoded (and checked against the context) before the first is answered, so a
     bad record fails the command at once rather than after minutes of generation.
     """
-    records = read_jsonl(src)
     prompts = [
         encode_prompt(rt.tokenizer, to_prompt(r), rt.context, settings.max_new_tokens, where=r["_where"])
         for r in records

@@ -36,6 +36,12 @@ class Source:
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def same_model(self, other: dict) -> bool:
+        """Does ``other`` (an export's recorded source) run exactly this model?"""
+        keys = ["frozen_digest", "messenger"]
+        keys += ["client_id", "state_round"] if self.messenger == "personalized" else ["bundle_id"]
+        return all(other.get(k) == getattr(self, k) for k in keys)
+
 
 def personal_messenger(bundle: Bundle, state_dir: str | Path | None, use_global: bool) -> tuple[Tensors, Source]:
     """The messenger LoRA to run: the state's x_K, or the bundle's global v with ``use_global``."""

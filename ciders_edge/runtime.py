@@ -78,11 +78,10 @@ def _torch_from_bundle(bundle: Bundle, state, use_global: bool, profile: DeviceP
 
 def _check_export_source(exp: Export, bundle: Bundle, state, use_global: bool) -> None:
     _, source = personal_messenger(bundle, state, use_global)
-    want = source.to_dict()
-    keys = ("frozen_digest", "messenger", "client_id", "state_round")
-    if any(exp.source.get(k) != want[k] for k in keys):
+    if not source.same_model(exp.source):
         raise ExportError(
-            f"{exp.path}: made from {_describe(exp.source)}, but --bundle/--state give {_describe(want)}; export again"
+            f"{exp.path}: made from {_describe(exp.source)}, but --bundle/--state give "
+            f"{_describe(source.to_dict())}; export again"
         )
 
 

@@ -48,19 +48,20 @@ def export_model(
         edge, source = load_personalized(Bundle.load(bundle), state, use_global, dtype=torch.float32)
         inputs = check_inputs(edge.tokenizer)
         reference = all_logits(edge.model, inputs)  # the unmerged AdapEmu, LoRA live
-        model = merge_messenger(edge)
+        model, tokenizer = merge_messenger(edge), edge.tokenizer
+        del edge  # the merged model is all that is left of it
     staging = staging_dir(out)
     try:
         with stage(f"writing the {fmt} model" + (f" ({quantize})" if quantize != "none" else "")):
             if fmt == "hf":
                 model.save_pretrained(staging, safe_serialization=True)
-                edge.tokenizer.save_pretrained(staging)
+                tokenizer.save_pretrained(staging)
             else:
-                save_onnx(model, edge.tokenizer, staging, quantize)
+                save_onnx(model, tokenizer, staging, quantize)
         del model
         manifest = export_manifest(staging, fmt, quantize, source.to_dict())
         with stage("checking the export against the AdapEmu"):
-            check = compare_logits(reference, all_logits(Export(staging, manifest).load_model(), inputs))
+            check = compare_logits(inputs, reference, all_logits(Export(staging, manifest).load_model(), inputs))
         manifest["check"] = check
         write_json(staging / MANIFEST, manifest)
         fsync_tree(staging)
@@ -88,6 +89,8 @@ def _check_args(fmt: str, quantize: str, out: Path) -> None:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     if fmt == "hf" and quantize != "none":
         raise ConfigError("--quantize applies to --format onnx only")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: is a file; --out must be a folder")
     if out.exists() and any(out.iterdir()) and not _is_export(out):
         raise ExportError(f"{out}: exists and is not an export folder; refusing to replace it (choose another --out)")
 

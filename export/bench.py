@@ -16,18 +16,19 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from ciders_edge.bundle import Bundle
 from ciders_edge.errors import CidersError, ConfigError, ExportError
 from ciders_edge.exported import MANIFEST, Export
+from ciders_edge.personalize import personal_messenger
 from ciders_edge.profiles import DeviceProfile, load_profile
 
-from .api import export_model
+from .api import Stage, export_model
 
 __all__ = ["BenchSettings", "bench", "RUNTIME_CHOICES"]
 
@@ -60,7 +61,7 @@ def bench(
     profile: str | None,
     settings: BenchSettings,
     exports: str | Path | None = None,
-    stage: Callable[[str], AbstractContextManager] = lambda _: nullcontext(),
+    stage: Stage = lambda _: nullcontext(),
 ) -> dict:
     """Measure every runtime and the training step; returns rows (one per runtime) and the step.
 
@@ -109,6 +110,7 @@ def _measure_side_by_side(targets: dict, bundle, state, use_global, prof, settin
                 daemon=True,
             )
             proc.start()
+            child.close()  # else the parent's recv() never sees a dead worker's end of pipe
             workers.append((name, proc, conn, _reply(name, proc, conn)))
         runs = {name: [] for name in targets}
         for _ in range(settings.repeats):
@@ -173,8 +175,10 @@ def _load_runtime(name, bundle, state, use_global, export, prof: DeviceProfile, 
     quiet_libraries()
     rss_imports = _peak_rss_mib()
     start = time.perf_counter()
-    kind = "torch" if export is None else "onnx"
-    rt = open_runtime(kind, bundle=bundle, state=state, export=export, use_global=use_global, profile=prof)
+    if export is None:
+        rt = open_runtime("torch", bundle=bundle, state=state, use_global=use_global, profile=prof)
+    else:  # the export was checked against bundle and state when it was made or reused
+        rt = open_runtime("onnx", export=export, profile=prof)
     load_s = time.perf_counter() - start
     gen = GenerationSettings(max_new_tokens=settings.new_tokens, min_new_tokens=settings.new_tokens)
     ids = encode_prompt(rt.tokenizer, [{"role": "user", "content": PROMPT}], rt.context, gen.max_new_tokens)
@@ -195,7 +199,7 @@ def _export_for(name: str, bundle, state, use_global: bool, folder: Path, stage)
     """Reuse ``folder`` if it already holds this runtime's export of this model, else export."""
     try:
         exp = Export.load(folder)
-        if exp.runtime == name and exp.source.get("bundle_id") and _same_source(exp, bundle, state, use_global):
+        if exp.runtime == name and personal_messenger(Bundle.load(bundle), state, use_global)[1].same_model(exp.source):
             return folder
     except ExportError:
         pass
@@ -205,17 +209,13 @@ def _export_for(name: str, bundle, state, use_global: bool, folder: Path, stage)
     return folder
 
 
-def _same_source(exp: Export, bundle, state, use_global: bool) -> bool:
-    from ciders_edge.personalize import personal_messenger
-
-    _, source = personal_messenger(Bundle.load(bundle), state, use_global)
-    return all(exp.source.get(k) == v for k, v in source.to_dict().items())
-
-
 def _in_fresh_process(fn, *args):
     """Run ``fn`` in a new interpreter: its imports, model and peak RSS are its own."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool:
+            raise BenchError(f"the {fn.__name__.removeprefix('_')} process died (out of memory?)") from None
 
 
 def _peak_rss_mib() -> float:

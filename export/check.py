@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ciders_edge.generation import chat_ids
+
 __all__ = ["CHECK_CHATS", "check_inputs", "all_logits", "compare_logits"]
 
 CHECK_CHATS = [
@@ -28,12 +30,10 @@ CHECK_CHATS = [
 
 def check_inputs(tokenizer: PreTrainedTokenizerBase) -> list[torch.Tensor]:
     """Token ids (1, T) of each check chat with its answer, in the model's chat template."""
-    out = []
-    for question, answer in CHECK_CHATS:
-        chat = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        ids = tokenizer.apply_chat_template(chat, return_tensors="pt")
-        out.append(ids["input_ids"] if hasattr(ids, "input_ids") else ids)
-    return out
+    return [
+        chat_ids(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}], False)
+        for q, a in CHECK_CHATS
+    ]
 
 
 @torch.no_grad()
@@ -42,12 +42,28 @@ def all_logits(model, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float() for ids in inputs]
 
 
-def compare_logits(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
-    """Largest absolute logit difference and the share of positions with the same greedy token."""
-    same = sum(int((r.argmax(-1) == o.argmax(-1)).sum()) for r, o in zip(reference, other, strict=True))
-    positions = sum(r.shape[0] for r in reference)
+def compare_logits(inputs: list[torch.Tensor], reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
+    """Largest absolute logit difference and the share of positions with the same greedy token.
+
+    Positions inside the prefix every chat shares (a template's default system prompt) see the same
+    context in each chat; they count once, not once per chat.
+    """
+    shared = _shared_prefix([ids[0] for ids in inputs])
+    same = positions = 0
+    for k, (r, o) in enumerate(zip(reference, other, strict=True)):
+        start = 0 if k == 0 else shared
+        same += int((r[start:].argmax(-1) == o[start:].argmax(-1)).sum())
+        positions += r.shape[0] - start
     return {
         "max_abs_logit_diff": max(float((r - o).abs().max()) for r, o in zip(reference, other, strict=True)),
         "greedy_agreement": same / positions,
         "positions": positions,
     }
+
+
+def _shared_prefix(rows: list[torch.Tensor]) -> int:
+    n = min(len(r) for r in rows)
+    for i in range(n):
+        if any(not torch.equal(r[: i + 1], rows[0][: i + 1]) for r in rows):
+            return i
+    return n

@@ -23,7 +23,8 @@ def save_onnx(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder
     """Export ``model`` (consumed) into ``folder`` as ``model.onnx`` plus config and tokenizer."""
     from optimum.exporters.onnx import onnx_export_from_model
 
-    _untie_lm_head(model)
+    if quantize != "none":
+        _untie_lm_head(model)
     for name in ("optimum", "torch.onnx"):
         logging.getLogger(name).setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -41,6 +42,7 @@ def _untie_lm_head(model: PreTrainedModel) -> None:
 
     Tied, the graph computes the head from a Transpose of the embedding: a MatMul without a constant
     weight, which no quantizer can quantize; untied, the head is quantized like every other MatMul.
+    A float export stays tied: the copy would only add the embedding's size to the file.
     """
     if not model.config.tie_word_embeddings:
         return
