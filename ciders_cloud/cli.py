@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ciders_edge.cli_utils import run_command
+from ciders_edge.cli_utils import JsonOpt, run_command
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.demo_data import write_demo_data
 from ciders_edge.errors import ConfigError
@@ -31,8 +31,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
 
 
 @app.command()

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoConfig
 
 from ciders_edge.atomic import staging_dir, write_json
-from ciders_edge.bundle import Bundle, BundleContents, sha256_file
+from ciders_edge.bundle import Bundle, BundleContents
+from ciders_edge.checksums import sha256_file
 from ciders_edge.data import load_examples
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.lora import peft_config

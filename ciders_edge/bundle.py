@@ -19,9 +19,10 @@ from safetensors.torch import load_file
 
 from . import __version__
 from .atomic import fsync_dir, replace_dir, staging_dir, write_bytes, write_json, write_safetensors
+from .checksums import hash_folder, verify_files
 from .errors import BundleError
 
-__all__ = ["Bundle", "BundleContents", "MANIFEST", "sha256_file", "producer_versions"]
+__all__ = ["Bundle", "BundleContents", "MANIFEST", "producer_versions"]
 
 FORMAT = "ciders-bundle"
 FORMAT_VERSION = 1
@@ -33,11 +34,6 @@ BACKBONE_ADAPTER_DIR = "backbone_adapter"  # learnable-backbone LoRA from TAKD, 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 CONSENSUS_FILE = "consensus.safetensors"
-
-
-def sha256_file(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def producer_versions() -> dict[str, str]:
@@ -108,12 +104,7 @@ class Bundle:
         except json.JSONDecodeError as err:
             raise BundleError(f"{mpath}: corrupt manifest ({err.msg})") from None
         _validate_manifest(manifest, mpath)
-        for rel, digest in manifest["files"].items():
-            f = path / rel
-            if not f.is_file():
-                raise BundleError(f"{f}: missing from the bundle")
-            if sha256_file(f) != digest:
-                raise BundleError(f"{f}: checksum mismatch (the file is corrupt or was changed)")
+        verify_files(path, manifest["files"], BundleError, "bundle")
         return cls(path, manifest, hashlib.sha256(raw).hexdigest())
 
     @classmethod
@@ -123,7 +114,7 @@ class Bundle:
         staging = staging_dir(out)
         try:
             _write_contents(staging, contents)
-            files = {str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+            files = hash_folder(staging, exclude=MANIFEST)
             _link_unchanged(staging, files, previous)
             manifest = {
                 "format": FORMAT,

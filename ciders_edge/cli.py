@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from .bundle import Bundle
-from .cli_utils import run_command
+from .cli_utils import JsonOpt, run_command
 from .data import read_jsonl
 from .errors import ConfigError
 from .generation import GenerationSettings
@@ -29,8 +29,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
 
 
 @app.command()

@@ -7,14 +7,16 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from .errors import CidersError
 from .progress import console
 
-__all__ = ["run_command", "quiet_libraries"]
+__all__ = ["run_command", "quiet_libraries", "JsonOpt"]
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
 
 
 def quiet_libraries() -> None:

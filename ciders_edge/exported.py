@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .atomic import recover_dir
-from .bundle import producer_versions, sha256_file
+from .bundle import producer_versions
+from .checksums import hash_folder, verify_files
 from .errors import ExportError
 
 __all__ = ["Export", "export_manifest", "FORMAT", "MANIFEST", "ONNX_FILE", "FORMATS", "QUANTIZATIONS"]
@@ -28,11 +29,7 @@ QUANTIZATIONS = ("none", "int8", "int8-dynamic")
 
 def export_manifest(folder: Path, fmt: str, quantize: str, source: dict, extra: dict | None = None) -> dict:
     """The manifest of a fully written export folder (every file hashed)."""
-    files = {
-        str(p.relative_to(folder)): sha256_file(p)
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
+    files = hash_folder(folder, exclude=MANIFEST)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -89,12 +86,7 @@ class Export:
         missing = [k for k in ("model_format", "quantize", "source", "files") if k not in m]
         if missing or m["model_format"] not in FORMATS:
             raise ExportError(f"{mpath}: manifest lacks {missing or ['a known model_format']}")
-        for rel, digest in m["files"].items():
-            f = path / rel
-            if not f.is_file():
-                raise ExportError(f"{f}: missing from the export")
-            if sha256_file(f) != digest:
-                raise ExportError(f"{f}: checksum mismatch (the file is corrupt or was changed); export again")
+        verify_files(path, m["files"], ExportError, "export", advice="; export again")
         return cls(path, m)
 
     def load_model(self, providers: list[str] | None = None):

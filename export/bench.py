@@ -25,7 +25,7 @@ from pathlib import Path
 from ciders_edge.bundle import Bundle
 from ciders_edge.errors import CidersError, ConfigError, ExportError
 from ciders_edge.exported import MANIFEST, Export
-from ciders_edge.personalize import personal_messenger
+from ciders_edge.personalize import Source, personal_messenger
 from ciders_edge.profiles import DeviceProfile, load_profile
 
 from .api import Stage, export_model
@@ -68,14 +68,16 @@ def bench(
     ``profile`` defaults to the one the bundle was made for.
     """
     use_global = state is None
-    prof = load_profile(profile) if profile else DeviceProfile.from_dict(Bundle.load(bundle).manifest["profile"])
+    b = Bundle.load(bundle)  # verified once here; the workers load it again in their own processes
+    prof = load_profile(profile) if profile else DeviceProfile.from_dict(b.manifest["profile"])
+    _, source = personal_messenger(b, state, use_global)
     with tempfile.TemporaryDirectory(prefix="ciders-bench-") as tmp:
         root = Path(exports) if exports is not None else Path(tmp)
         targets = {}
         for name in settings.runtimes:
             targets[name] = None
             if RUNTIME_CHOICES[name] is not None:
-                targets[name] = _export_for(name, bundle, state, use_global, root / name, stage)
+                targets[name] = _export_for(name, source, bundle, state, root / name, stage)
         with stage(f"measuring {', '.join(settings.runtimes)} side by side"):
             rows = _measure_side_by_side(targets, bundle, state, use_global, prof, settings)
     train = None
@@ -195,17 +197,16 @@ def _load_runtime(name, bundle, state, use_global, export, prof: DeviceProfile, 
     return rt, ids, gen, info
 
 
-def _export_for(name: str, bundle, state, use_global: bool, folder: Path, stage) -> Path:
-    """Reuse ``folder`` if it already holds this runtime's export of this model, else export."""
+def _export_for(name: str, source: Source, bundle, state, folder: Path, stage: Stage) -> Path:
+    """Reuse ``folder`` if it already holds this runtime's export of ``source``'s model, else export."""
     try:
         exp = Export.load(folder)
-        if exp.runtime == name and personal_messenger(Bundle.load(bundle), state, use_global)[1].same_model(exp.source):
+        if exp.runtime == name and source.same_model(exp.source):
             return folder
     except ExportError:
         pass
-    quantize = RUNTIME_CHOICES[name]
     with stage(f"exporting {name}"):
-        export_model(bundle, state, "onnx", folder, quantize, use_global)
+        export_model(bundle, state, "onnx", folder, RUNTIME_CHOICES[name], use_global=source.messenger == "global")
     return folder
 
 

@@ -62,8 +62,8 @@ def compare_logits(inputs: list[torch.Tensor], reference: list[torch.Tensor], ot
 
 
 def _shared_prefix(rows: list[torch.Tensor]) -> int:
-    n = min(len(r) for r in rows)
-    for i in range(n):
-        if any(not torch.equal(r[: i + 1], rows[0][: i + 1]) for r in rows):
-            return i
+    """Length of the token prefix all ``rows`` share."""
+    n, shortest = 0, min(len(r) for r in rows)
+    while n < shortest and all(r[n] == rows[0][n] for r in rows):
+        n += 1
     return n

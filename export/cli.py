@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ciders_edge.cli_utils import run_command
+from ciders_edge.cli_utils import JsonOpt, run_command
 from ciders_edge.progress import console, status
 
 from .api import export_model
@@ -16,8 +16,6 @@ from .bench import BenchSettings, bench
 from .plots import plot_bench
 
 __all__ = ["export_command", "bench_command"]
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
 
 
 def export_command(
