@@ -206,6 +206,57 @@ def report(
     )
 
 
+@app.command()
+def serve(
+    run: Annotated[Path, typer.Option(help="Run folder made by `prepare`; edge keys in RUN/nodes/<id>.pub.")],
+    rounds: Annotated[int, typer.Option(help="Run until this many rounds are complete (a restart resumes).")],
+    min_clients: Annotated[int, typer.Option(help="Edges to wait for before a round (then whoever is there).")] = 1,
+    address: Annotated[str, typer.Option(help="HOST:PORT the SuperLink listens on.")] = "0.0.0.0:9092",
+    round_timeout: Annotated[float, typer.Option(help="Seconds to wait for edges and their replies.")] = 600.0,
+    certs: Annotated[Path | None, typer.Option(help="Folder from `ciders-cloud certs` (default RUN/certs).")] = None,
+    insecure: Annotated[bool, typer.Option(help="Plain HTTP, no TLS: closed test networks only.")] = False,
+    connect: Annotated[bool, typer.Option(help="Use a SuperLink already running at --address.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run the rounds over the network on a Flower SuperLink; edges join with `ciders-edge join`."""
+    from .fleet.serve import ServeOptions
+    from .fleet.serve import serve as serve_fleet
+
+    def render(s: dict) -> None:
+        table = Table("round", "client", "status", "bytes down", "bytes up", title=f"fleet {s['run']}")
+        for r in s["clients"]:
+            table.add_row(
+                str(r["round"]), r["client"], r.get("status", ""), f"{r['bytes_down']:,}", f"{r['bytes_up']:,}"
+            )
+        console.print(table)
+        done = "complete" if s["complete"] else "not complete"
+        console.print(f"[green]✓[/] run at round {s['round']} of {s['rounds']} ({done})")
+
+    opts = dict(min_clients=min_clients, address=address, round_timeout=round_timeout, certs=certs)
+    run_command(
+        lambda: serve_fleet(ServeOptions(run, rounds, insecure=insecure, connect=connect, **opts)), as_json, render
+    )
+
+
+@app.command()
+def certs(
+    out: Annotated[Path, typer.Option(help="Folder for ca.crt/ca.key and server.pem/server.key.")],
+    host: Annotated[
+        list[str] | None, typer.Option(help="Name or IP the edges use to reach the cloud (repeatable).")
+    ] = None,
+    days: Annotated[int, typer.Option(help="Validity in days.")] = 365,
+    as_json: JsonOpt = False,
+) -> None:
+    """Make a private CA and the SuperLink's TLS certificate (for a deployment or a test)."""
+    from .fleet.certs import make_certs
+
+    run_command(
+        lambda: make_certs(out, host or [], days),
+        as_json,
+        lambda s: console.print(f"[green]✓[/] CA {s['ca']} and server certificate for {', '.join(s['hosts'])}"),
+    )
+
+
 @app.command("demo-data")
 def demo_data(
     out: Annotated[Path, typer.Option(help="Folder for {family}/{train,public,eval}.jsonl and public.jsonl.")],

@@ -31,7 +31,7 @@ from .prepare import bundle_path, load_run, prepare
 from .rounds import aggregate_files
 from .strategies import get_strategy, round_hyperparams_for
 
-__all__ = ["SimConfig", "simulate", "METRICS"]
+__all__ = ["SimConfig", "simulate", "prepare_study", "METRICS"]
 
 METRICS = "metrics.jsonl"
 
@@ -83,14 +83,7 @@ def client_ids(n: int) -> list[str]:
 def simulate(cfg: SimConfig, out: str | Path) -> dict:
     """Run ``cfg.rounds`` rounds; returns the last evaluation and where everything is."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out}: already exists and is not empty; choose a new --out")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    ids = client_ids(cfg.clients)
-    domains = _materialize_data(cfg, out / "data", ids)
-    run_dir = out / "run"
-    prepare(_run_config(cfg, ids, out / "data"), run_dir)
+    run_dir, ids, domains = prepare_study(cfg, out)
     rng = random.Random(cfg.seed)
     strategy = get_strategy(cfg.algorithm)
     last_eval: dict = {}
@@ -150,6 +143,20 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
         "clients": cfg.clients,
         **{k: v for k, v in last_eval.items() if k != "records"},
     }
+
+
+def prepare_study(cfg: SimConfig, out: Path) -> tuple[Path, list[str], dict[str, str]]:
+    """The study before round 0: ``config.json``, each client's ``data/<id>/{train,eval}.jsonl`` and
+    the prepared ``run``. Deterministic in ``cfg``, so a fleet started on a second copy
+    (``ciders-cloud serve``) can be checked against ``simulate`` bit for bit."""
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out}: already exists and is not empty; choose a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    ids = client_ids(cfg.clients)
+    domains = _materialize_data(cfg, out / "data", ids)
+    prepare(_run_config(cfg, ids, out / "data"), out / "run")
+    return out / "run", ids, domains
 
 
 def _client_record(t: int, cid: str, hp: RoundHyperparams, s: dict, diag: dict, bytes_down: int) -> dict:

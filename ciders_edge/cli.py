@@ -232,6 +232,60 @@ def infer(
     run_command(body, as_json, render)
 
 
+@app.command()
+def keygen(
+    state: Annotated[Path, typer.Option(help="Client state folder; the key is made there once.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Make this device's fleet node key (once) and print the public key the cloud registers."""
+    from .fleet.keys import ensure_node_key
+
+    def body() -> dict:
+        state.mkdir(parents=True, exist_ok=True)
+        private, public = ensure_node_key(state)
+        return {"private": str(private), "public": str(public), "line": public.read_text().strip()}
+
+    def render(s: dict) -> None:
+        console.print(f"[green]✓[/] node key {s['private']}; the cloud registers {s['public']} as RUN/nodes/ID.pub:")
+        console.print(s["line"], highlight=False, soft_wrap=True)
+
+    run_command(body, as_json, render)
+
+
+@app.command()
+def join(
+    server: Annotated[str, typer.Option(help="The cloud's SuperLink, HOST:PORT.")],
+    state: Annotated[Path, typer.Option(help="Client state folder: c_i, personalized messenger, bundle, node key.")],
+    data: Annotated[Path, typer.Option(help="This device's private JSONL data.")],
+    profile: Annotated[str, typer.Option(help="Device profile name, `auto`, or a .toml path.")] = "auto",
+    root_certificates: Annotated[
+        Path | None, typer.Option(help="The cloud's CA certificate (ca.crt from `ciders-cloud certs`).")
+    ] = None,
+    insecure: Annotated[bool, typer.Option(help="Plain HTTP, no TLS: closed test networks only.")] = False,
+    codec: Annotated[str, typer.Option(help="Packet codec: fp32 (lossless), bf16 or int8.")] = "fp32",
+    key_file: Annotated[Path | None, typer.Option(help="Client key: packets get an HMAC tag.")] = None,
+    admit_wait: Annotated[float, typer.Option(help="Seconds to keep asking a SuperLink that does not admit us.")] = 60,
+    as_json: JsonOpt = False,
+) -> None:
+    """Join a fleet: run this device's Flower SuperNode; each round trains here and sends Δc up."""
+    from .fleet.join import join as join_fleet  # Flower loads only for fleet commands
+
+    run_command(
+        lambda: join_fleet(
+            server,
+            state,
+            data,
+            profile,
+            root_certificates=root_certificates,
+            insecure=insecure,
+            codec=codec,
+            key=key_file,
+        ),
+        as_json,
+        lambda s: console.print(f"[green]✓[/] the SuperNode stopped (exit code {s['exit_code']})"),
+    )
+
+
 def _print_text(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()

@@ -28,7 +28,16 @@ from .profiles import DeviceProfile, load_profile, pick_device
 from .state import METRICS_LOG, ClientState
 from .update import add, norm, reconstruct_displacement
 
-__all__ = ["RoundOutput", "train_round", "train", "train_files", "round_hyperparams", "read_key"]
+__all__ = [
+    "RoundOutput",
+    "train_round",
+    "train",
+    "train_files",
+    "train_bundle",
+    "round_hyperparams",
+    "read_key",
+    "append_metrics",
+]
 
 
 @dataclass
@@ -134,33 +143,48 @@ def train_files(
     state_dir: str | Path,
     out: str | Path,
     *,
-    profile: str | None = None,
-    codec: str = "fp32",
     client_id: str | None = None,
-    key: bytes | None = None,
-    overrides: dict | None = None,
-    on_step: Callable[[dict], None] | None = None,
+    **kwargs,
 ) -> tuple[dict, RoundOutput]:
     """:func:`train` that also returns the in-memory round output (``simulate`` reads its tensors)."""
     b = Bundle.load(bundle)
-    prof = load_profile(profile) if profile else None
-    hp = round_hyperparams(b, prof, overrides or {})
     state = ClientState.load(state_dir)
     check_state(state, b)
     if state is not None and client_id is not None and client_id != state.client_id:
         raise ConfigError(f"--client-id {client_id!r} differs from the state's {state.client_id!r}")
     cid = state.client_id if state is not None else client_id or os.uname().nodename
+    summary, out_round = train_bundle(b, data, state, client_id=cid, **kwargs)
+    write_bytes(out, out_round.packet_bytes)
+    out_round.state.save(state_dir)
+    append_metrics(Path(state_dir) / METRICS_LOG, b.round, out_round.result.steps)
+    return {**summary, "packet": str(out), "state": str(state_dir)}, out_round
+
+
+def train_bundle(
+    b: Bundle,
+    data: str | Path,
+    state: ClientState | None,
+    *,
+    client_id: str,
+    profile: str | None = None,
+    codec: str = "fp32",
+    key: bytes | None = None,
+    overrides: dict | None = None,
+    on_step: Callable[[dict], None] | None = None,
+) -> tuple[dict, RoundOutput]:
+    """Load the bundle's AdapEmu and the data, run :func:`train_round`; writes nothing (the callers
+    decide where the packet and the state go: files for ``ciders-edge train``, the network for a fleet)."""
+    prof = load_profile(profile) if profile else None
+    hp = round_hyperparams(b, prof, overrides or {})
+    check_state(state, b)
     edge = load_edge_model(b, prof.torch_dtype if prof else None)
     edge.model.to(pick_device(prof))
     examples = load_examples(data, edge.tokenizer, hp.seq_len)
-    out_round = train_round(edge, examples, state, hp, client_id=cid, codec=codec, key=key, on_step=on_step)
-    write_bytes(out, out_round.packet_bytes)
-    out_round.state.save(state_dir)
-    _append_metrics(Path(state_dir) / METRICS_LOG, b.round, out_round.result.steps)
+    out_round = train_round(edge, examples, state, hp, client_id=client_id, codec=codec, key=key, on_step=on_step)
     rfd = [m["r_fd"] for m in out_round.result.steps if "r_fd" in m]
     p = out_round.packet
     summary = {
-        "client_id": cid,
+        "client_id": client_id,
         "round": b.round,
         "bundle_id": b.bundle_id,
         "solver": hp.solver,
@@ -174,8 +198,6 @@ def train_files(
         "r_fd": sum(rfd) / len(rfd) if rfd else None,
         "raw_bytes": p.raw_bytes,
         "packet_bytes": len(out_round.packet_bytes),
-        "packet": str(out),
-        "state": str(state_dir),
     }
     return summary, out_round
 
@@ -207,7 +229,7 @@ def _check_finite(result: LocalResult) -> None:
                 raise PacketError(f"non-finite values in {what} tensor {name}; no packet written, state unchanged")
 
 
-def _append_metrics(path: Path, round_: int, steps: list[dict]) -> None:
+def append_metrics(path: Path, round_: int, steps: list[dict]) -> None:
     with path.open("a") as f:
         for s in steps:
             f.write(json.dumps({"round": round_, **s}) + "\n")

@@ -44,6 +44,25 @@ def demo_dir(tmp_path_factory):
     return out
 
 
+def fast_run_config(demo_dir, **overrides):
+    """A tiny run that prepares in seconds: messenger depth 2, drop ratio 0.5, one TAKD step."""
+    from ciders_cloud import RunConfig
+
+    hp = {"takd_steps": 1, "local_steps": 2, "eta": 1e-2, **overrides.pop("hyperparameters", {})}
+    return RunConfig(
+        **{
+            "model": "tiny",
+            "messenger_depth": 2,
+            "drop_ratio": 0.5,
+            "public_data": str(demo_dir / "public.jsonl"),
+            "align_steps": 1,
+            "takd": {"seq_len": 64, "batch_size": 2},
+            "hyperparameters": hp,
+            **overrides,
+        }
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, demo_dir):
     """A prepared run on `tiny`: 8 layers, messenger depth 2, drop ratio 0.5 -> kept [0, 2, 5]."""

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from conftest import fast_run_config
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
@@ -24,19 +25,10 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def round0(tmp_path_factory, demo_dir):
     """A fresh tiny run and two clients' round-0 packets, copied per test."""
-    from ciders_cloud import RunConfig, prepare
+    from ciders_cloud import prepare
 
     root = tmp_path_factory.mktemp("agg")
-    run = RunConfig(
-        model="tiny",
-        messenger_depth=2,
-        drop_ratio=0.5,
-        public_data=str(demo_dir / "public.jsonl"),
-        align_steps=1,
-        clients=["a", "b"],
-        takd={"seq_len": 64, "batch_size": 2},
-        hyperparameters={"takd_steps": 3, "local_steps": 2, "eta": 1e-2},
-    )
+    run = fast_run_config(demo_dir, clients=["a", "b"], hyperparameters={"takd_steps": 3})
     prepare(run, root / "run")
     bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
     for cid, fam in (("a", "dates"), ("b", "code")):

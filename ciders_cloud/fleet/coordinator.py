@@ -1,0 +1,129 @@
+"""A fleet round on the cloud, without Flower: the ServerApp only moves these values over the network.
+
+Edges are known by the public keys in ``RUN/nodes/<client-id>.pub`` (the ones ``serve`` registers
+with the SuperLink), so a node's client id comes from the key it authenticated with, never from
+what it claims. Each reply is checked on its own; a bad packet is refused and logged, and the
+round closes with the others through :func:`ciders_cloud.rounds.aggregate_packets`, the code of
+``ciders-cloud aggregate``. Every client-round goes to ``RUN/fleet/log.jsonl`` with its bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+
+from ciders_edge.bundle import MANIFEST, Bundle
+from ciders_edge.errors import CidersError, ConfigError, PacketError
+from ciders_edge.fleet.bundle_sync import files_to_ship
+from ciders_edge.fleet.protocol import consensus_digest
+
+from ..prepare import STATE_DIR, bundle_path, load_run
+from ..rounds import aggregate_packets, check_packets, read_packets
+from ..state import ServerState
+from ..strategies import round_hyperparams_for
+
+__all__ = ["Coordinator", "Edge", "NODES_DIR", "FLEET_DIR", "FLEET_LOG", "node_keys"]
+
+NODES_DIR = "nodes"  # <client-id>.pub: the edges allowed into this run
+FLEET_DIR = "fleet"  # SuperLink database, Flower home, logs
+FLEET_LOG = "log.jsonl"
+
+
+@dataclass(frozen=True)
+class Edge:
+    node_id: int
+    client_id: str
+
+
+def node_keys(run_dir: Path) -> dict[bytes, str]:
+    """``{public key (PEM, as Flower reports it): client id}`` from ``RUN/nodes/*.pub``."""
+    keys = {}
+    for path in sorted((run_dir / NODES_DIR).glob("*.pub")):
+        try:
+            key = serialization.load_ssh_public_key(path.read_bytes())
+        except (ValueError, TypeError):
+            raise ConfigError(f"{path}: not an OpenSSH public key (an edge's node-key.pub)") from None
+        pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        keys[pem] = path.stem
+    return keys
+
+
+class Coordinator:
+    """The cloud's decisions for one run folder; reloads the server state at each round."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.run = load_run(self.run_dir)
+        self.keys = node_keys(self.run_dir)
+        self.state = ServerState.load(self.run_dir / STATE_DIR)
+        self._bundles: dict[str, Bundle] = {}  # this round's, verified once
+
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+    def edges(self, nodes) -> list[Edge]:
+        """The online nodes whose key is one of this run's, by client id (the order packets are aggregated in)."""
+        found = [Edge(n.node_id, self.keys[n.public_key]) for n in nodes if n.public_key in self.keys]
+        return sorted(found, key=lambda e: e.client_id)
+
+    def sync_request(self, edge: Edge) -> dict:
+        """Who the node is and the cloud's copy of its c_i: the edge settles its last round against it."""
+        c_i = self.state.clients.get(edge.client_id)
+        return {"client_id": edge.client_id, "round": self.round, "c_i_digest": consensus_digest(c_i)}
+
+    def train_request(self, edge: Edge, answer: dict) -> tuple[dict, dict[str, bytes]]:
+        """This round's bundle for the edge's profile: the manifest, and the files the edge lacks."""
+        profile = answer.get("profile")
+        if profile not in self.run.profiles:
+            raise ConfigError(
+                f"{edge.client_id} runs profile {profile!r}; this run ships {', '.join(self.run.profiles)}"
+            )
+        bundle = self.bundle(profile)
+        files = files_to_ship(bundle, answer.get("held") or {})
+        config = {**self.sync_request(edge), "manifest": (bundle.path / MANIFEST).read_bytes()}
+        return config, files
+
+    def check(self, edge: Edge, packet: bytes) -> None:
+        """Refuse a packet from another client than the authenticated node, or for another round or bundle."""
+        where = f"round {self.round} reply of {edge.client_id}"
+        [received] = read_packets(self.run_dir, [(where, packet)])
+        if received.packet.client_id != edge.client_id:
+            raise PacketError(
+                f"{where}: packet claims client {received.packet.client_id!r}, the node is {edge.client_id!r}"
+            )
+        bundle_ids = {self.bundle(p).bundle_id for p in self.run.profiles}
+        hp = round_hyperparams_for(self.run, self.round)
+        check_packets([received], self.state, self.run, bundle_ids, hp)
+
+    def close_round(self, packets: dict[Edge, bytes]) -> dict:
+        """Aggregate the accepted packets (eq. 11-13, in client-id order) and move to the next round."""
+        items = [
+            (f"round {self.round} reply of {e.client_id}", packets[e])
+            for e in sorted(packets, key=lambda e: e.client_id)
+        ]
+        summary = aggregate_packets(self.run_dir, items)
+        self.state = ServerState.load(self.run_dir / STATE_DIR)
+        self._bundles = {}
+        return summary
+
+    def bundle(self, profile: str) -> Bundle:
+        if profile not in self._bundles:
+            self._bundles[profile] = Bundle.load(bundle_path(self.run_dir, profile, self.round))
+        return self._bundles[profile]
+
+    def log(self, records: list[dict]) -> None:
+        path = self.run_dir / FLEET_DIR / FLEET_LOG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            for r in records:
+                f.write(json.dumps({"time": time.time(), **r}) + "\n")
+
+
+def refusal(err: Exception) -> str:
+    """One line for the log: our own errors as they are, anything else with its type."""
+    return str(err) if isinstance(err, CidersError) else f"{type(err).__name__}: {err}"

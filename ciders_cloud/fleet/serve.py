@@ -1,0 +1,210 @@
+"""``ciders-cloud serve``: run a fleet's rounds on a Flower SuperLink.
+
+Starts the SuperLink (TLS, SuperNode authentication, its database under ``RUN/fleet``) unless
+one is already running, registers the edges' public keys from ``RUN/nodes``, submits the
+ServerApp with ``flwr run`` and streams its log until the run ends. Everything goes through
+Flower's own command-line tools, driven with their documented flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ciders_edge.errors import ConfigError, StateError
+from ciders_edge.fleet.join import flower_tool
+from ciders_edge.progress import console
+
+from ..prepare import STATE_DIR, load_run
+from ..state import ServerState
+from .certs import CA_CERT, SERVER_CERT, SERVER_KEY
+from .coordinator import FLEET_DIR, FLEET_LOG, NODES_DIR, node_keys
+
+__all__ = ["ServeOptions", "serve"]
+
+APP_DIR = Path(__file__).parent / "app"
+CONNECTION = "ciders"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    run_dir: Path
+    rounds: int
+    min_clients: int = 1
+    address: str = "0.0.0.0:9092"  # where the SuperLink listens for edges (and Flower's own tools)
+    round_timeout: float = 600.0
+    certs: Path | None = None  # default RUN/certs
+    insecure: bool = False  # plain HTTP: closed test networks only
+    connect: bool = False  # use a SuperLink already running at `address`
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.min_clients < 1 or self.round_timeout <= 0:
+            raise ConfigError("--rounds, --min-clients and --round-timeout must be positive")
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--address {self.address!r}: expected HOST:PORT")
+
+
+def serve(opts: ServeOptions) -> dict:
+    """Run the fleet until the run has ``opts.rounds`` completed rounds; returns the per-round bytes."""
+    run_dir = opts.run_dir
+    load_run(run_dir)
+    start = ServerState.load(run_dir / STATE_DIR).round
+    keys = node_keys(run_dir)
+    if len(keys) < opts.min_clients:
+        raise ConfigError(
+            f"{run_dir / NODES_DIR}: {len(keys)} edge keys for --min-clients {opts.min_clients}; "
+            "copy each edge's node-key.pub there as <client-id>.pub"
+        )
+    tls = _tls(opts)
+    if start < opts.rounds:
+        fleet = run_dir / FLEET_DIR
+        env = _flower_home(fleet / "flwr", opts, tls)
+        with _superlink(opts, fleet, env, tls):
+            _register(run_dir, env)
+            _run_app(opts, env)
+    return _summary(run_dir, start, opts.rounds)
+
+
+def _tls(opts: ServeOptions) -> dict[str, Path] | None:
+    if opts.insecure:
+        return None
+    certs = opts.certs or opts.run_dir / "certs"
+    files = {"ca": certs / CA_CERT, "cert": certs / SERVER_CERT, "key": certs / SERVER_KEY}
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        raise ConfigError(
+            f"{missing[0]}: missing; make TLS material with `ciders-cloud certs --out {certs}` "
+            "(or pass --insecure on a closed test network)"
+        )
+    return files
+
+
+def _flower_home(home: Path, opts: ServeOptions, tls: dict[str, Path] | None) -> dict[str, str]:
+    """A Flower home for this run whose one connection is our SuperLink; the env to run Flower's tools in."""
+    home.mkdir(parents=True, exist_ok=True)
+    host, _, port = opts.address.rpartition(":")
+    lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]"]
+    lines.append(f'address = "{_local(host)}:{port}"')
+    lines.append("insecure = true" if tls is None else f'root-certificates = "{tls["ca"].resolve()}"')
+    (home / "config.toml").write_text("\n".join(lines) + "\n")
+    return {**os.environ, "FLWR_HOME": str(home.resolve())}
+
+
+@contextmanager
+def _superlink(opts: ServeOptions, fleet: Path, env: dict[str, str], tls: dict[str, Path] | None) -> Iterator[None]:
+    host, _, port = opts.address.rpartition(":")
+    if opts.connect:
+        _wait_for_port(host, int(port), 5.0, "the running SuperLink")
+        yield
+        return
+    if _listening(host, int(port)):
+        raise StateError(f"{opts.address}: something already listens there; stop it, or pass --connect to use it")
+    cmd = [flower_tool("flower-superlink"), "--host", host, "--port", port, "--enable-supernode-auth"]
+    cmd += ["--database", str((fleet / "superlink.db").resolve()), "--disable-runtime-dependency-installation"]
+    if tls is None:
+        cmd.append("--insecure")
+    else:
+        cmd += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"])]
+        cmd += ["--ssl-keyfile", str(tls["key"])]
+    log = (fleet / "superlink.log").open("ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_for_port(host, int(port), 60.0, f"the SuperLink (log: {fleet / 'superlink.log'})", proc)
+        console.print(f"SuperLink on {opts.address} ({'TLS' if tls else 'insecure'}, SuperNode authentication on)")
+        yield
+    finally:
+        proc.terminate()  # it stops the ServerApp processes it started
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((_local(host), port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def _local(host: str) -> str:
+    """The address to reach a server bound to ``host`` from this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+
+
+def _wait_for_port(host: str, port: int, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise StateError(f"{what} exited with code {proc.returncode}")
+        if _listening(host, port):
+            return
+        time.sleep(0.3)
+    raise StateError(f"{what} is not reachable on {_local(host)}:{port} after {timeout:g} s")
+
+
+def _register(run_dir: Path, env: dict[str, str]) -> None:
+    """Register every edge key of ``RUN/nodes`` with the SuperLink (a key registered before is fine)."""
+    for pub in sorted((run_dir / NODES_DIR).glob("*.pub")):
+        cmd = [
+            flower_tool("flwr"),
+            "supernode",
+            "register",
+            str(pub),
+            CONNECTION,
+            "--name",
+            pub.stem,
+            "--format",
+            "json",
+        ]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if out.returncode != 0 and "already in use" not in out.stdout + out.stderr:
+            raise StateError(f"{pub}: the SuperLink refused to register it: {_last_line(out.stdout + out.stderr)}")
+
+
+def _run_app(opts: ServeOptions, env: dict[str, str]) -> None:
+    """``flwr run`` the fleet app and stream its log until the run ends; fail if it did not finish."""
+    config = (
+        f'run-dir="{opts.run_dir.resolve()}" rounds={opts.rounds} '
+        f"min-clients={opts.min_clients} round-timeout={float(opts.round_timeout)}"
+    )
+    cmd = [flower_tool("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config", config, "--stream"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip():
+            console.print(line.rstrip(), highlight=False, markup=False)
+    if proc.wait() != 0:
+        raise StateError(f"flwr run exited with code {proc.returncode}; the run folder holds the last completed round")
+
+
+def _summary(run_dir: Path, start: int, rounds: int) -> dict:
+    """What this serve did, from the run folder: the round reached and each client-round's bytes."""
+    end = ServerState.load(run_dir / STATE_DIR).round
+    log = run_dir / FLEET_DIR / FLEET_LOG
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    mine = [r for r in records if r["round"] >= start]
+    return {
+        "run": str(run_dir),
+        "started_at_round": start,
+        "round": end,
+        "rounds": rounds,
+        "complete": end >= rounds,
+        "clients": [r for r in mine if r["type"] == "client"],
+        "rounds_log": [r for r in mine if r["type"] == "round"],
+    }
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip(" │╭╮╰╯─") for ln in text.splitlines() if ln.strip(" │╭╮╰╯─")]
+    return lines[-1] if lines else "no output"

@@ -1,0 +1,161 @@
+"""The Flower ServerApp of a CIDERS fleet: ``ciders-cloud serve`` submits it to the SuperLink.
+
+Each round: wait for the run's edges, sync them (each settles its last round against the
+cloud's c_i and says which bundle files it holds), send each the round's bundle delta, collect
+Δc packets until the round timeout, and close the round with the packets that pass the checks.
+The run folder is the only state: a restarted cloud resumes at its last completed round.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from ciders_edge.errors import CidersError
+from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
+
+from .coordinator import Coordinator, Edge, refusal
+
+app = ServerApp()
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The run config ``serve`` passes to ``flwr run`` (keys as in the app's pyproject.toml)."""
+
+    run_dir: Path
+    rounds: int  # total rounds of the run: a restarted serve goes on to the same number
+    min_clients: int
+    round_timeout: float
+
+    @classmethod
+    def from_run_config(cls, rc) -> ServeSettings:
+        return cls(Path(str(rc["run-dir"])), int(rc["rounds"]), int(rc["min-clients"]), float(rc["round-timeout"]))
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    s = ServeSettings.from_run_config(context.run_config)
+    co = Coordinator(s.run_dir)
+    log(INFO, "CIDERS fleet: %s at round %d of %d, %d edge keys", s.run_dir, co.round, s.rounds, len(co.keys))
+    first = True
+    while co.round < s.rounds:
+        run_round(grid, co, s, patient=first)
+        first = False
+    edges = wait_for_edges(grid, co, s, patient=False)
+    exchange(grid, {e: _sync_message(co, e, s) for e in edges}, s.round_timeout)  # edges commit the last round
+    log(INFO, "CIDERS fleet: done, %d rounds", co.round)
+
+
+def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> None:
+    t, started = co.round, time.monotonic()
+    edges = wait_for_edges(grid, co, s, patient)
+    log(INFO, "round %d: syncing %s", t, ", ".join(e.client_id for e in edges))
+    answers = exchange(grid, {e: _sync_message(co, e, s) for e in edges}, s.round_timeout)
+    records = {e: {"type": "client", "round": t, "client": e.client_id, "bytes_down": 0, "bytes_up": 0} for e in edges}
+    train = {}
+    for e in edges:
+        try:
+            answer = json.loads(_content(answers.get(e), "sync", s).config_records[SYNC]["json"])
+            config, files = co.train_request(e, answer)
+        except (CidersError, KeyError, ValueError) as err:
+            records[e]["status"] = refusal(err)
+            continue
+        records[e].update(bytes_down=len(config["manifest"]) + sum(map(len, files.values())), files_down=sorted(files))
+        content = RecordDict({ROUND: ConfigRecord(config), FILES: bytes_record(files)})
+        train[e] = Message(content, e.node_id, MessageType.TRAIN, ttl=s.round_timeout, group_id=str(t))
+    accepted = {}
+    for e, reply in exchange(grid, train, s.round_timeout).items():
+        try:
+            content = _content(reply, "training", s)
+            packet = record_bytes(content.array_records[PACKET])["packet"]
+            summary = json.loads(content.config_records[SUMMARY]["json"])
+            records[e].update({k: v for k, v in summary.items() if k not in ("client_id", "packet_bytes")})
+            records[e]["bytes_up"] = len(packet)
+            co.check(e, packet)
+            accepted[e] = packet
+        except (CidersError, KeyError, ValueError) as err:
+            records[e]["status"] = refusal(err)
+    for e in train.keys() - accepted.keys():
+        records[e].setdefault("status", f"no reply to training within {s.round_timeout:g} s")
+    for e, r in records.items():
+        if "status" in r:
+            log(WARNING, "round %d: %s left out: %s", t, e.client_id, r["status"])
+    if not accepted:
+        co.log(list(records.values()))
+        log(WARNING, "round %d: no packet accepted; the round starts again", t)
+        return
+    summary = co.close_round(accepted)
+    for e in accepted:
+        records[e]["status"] = "aggregated"
+    wall = time.monotonic() - started
+    co.log([*records.values(), _round_record(t, summary, records, wall)])
+    log(
+        INFO,
+        "round %d closed in %.1f s: %s aggregated; %s bytes up, %s down",
+        t,
+        wall,
+        ", ".join(summary["clients"]),
+        f"{sum(r['bytes_up'] for r in records.values()):,}",
+        f"{sum(r['bytes_down'] for r in records.values()):,}",
+    )
+
+
+def wait_for_edges(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> list[Edge]:
+    """The run's online edges once ``min_clients`` are there. The first round waits for them; a later
+    one goes on after the round timeout with whoever is there, so a dead edge does not stop the run."""
+    deadline, said = time.monotonic() + s.round_timeout, 0.0
+    while True:
+        edges = co.edges(n for n in grid.get_nodes() if n.status == "online")
+        if len(edges) >= s.min_clients or (edges and not patient and time.monotonic() > deadline):
+            return edges
+        if time.monotonic() - said > 30:
+            log(INFO, "round %d: %d of %d edges online; waiting", co.round, len(edges), s.min_clients)
+            said = time.monotonic()
+        time.sleep(1.0)
+
+
+def exchange(grid: Grid, messages: dict[Edge, Message], timeout: float) -> dict[Edge, Message]:
+    """Send, and collect the replies that arrive within ``timeout``, by edge."""
+    if not messages:
+        return {}
+    by_node = {e.node_id: e for e in messages}
+    replies = grid.send_and_receive(list(messages.values()), timeout=timeout)
+    return {by_node[r.metadata.src_node_id]: r for r in replies if r.metadata.src_node_id in by_node}
+
+
+def _sync_message(co: Coordinator, e: Edge, s: ServeSettings) -> Message:
+    content = RecordDict({SYNC: ConfigRecord(co.sync_request(e))})
+    return Message(content, e.node_id, MessageType.QUERY, ttl=s.round_timeout, group_id=str(co.round))
+
+
+class ReplyError(CidersError):
+    """An edge did not answer in time, or answered with an error."""
+
+
+def _content(reply: Message | None, what: str, s: ServeSettings) -> RecordDict:
+    if reply is None:
+        raise ReplyError(f"no reply to {what} within {s.round_timeout:g} s")
+    if reply.has_error():
+        raise ReplyError(f"the edge failed in {what}: {reply.error.reason}")
+    return reply.content
+
+
+def _round_record(t: int, summary: dict, records: dict, wall: float) -> dict:
+    return {
+        "type": "round",
+        "round": t,
+        "clients": summary["clients"],
+        "left_out": sorted(r["client"] for r in records.values() if r.get("status") != "aggregated"),
+        "bytes_up": sum(r["bytes_up"] for r in records.values()),
+        "bytes_down": sum(r["bytes_down"] for r in records.values()),
+        "v_change": summary["v_change"],
+        "wall_s": wall,
+    }

@@ -1,0 +1,39 @@
+"""The Flower ClientApp of a CIDERS edge: unwraps the cloud's messages and calls :mod:`.edge`.
+
+Its SuperNode (``ciders-edge join``) passes the device's settings as node config; a
+:class:`~ciders_edge.errors.CidersError` raised here reaches the cloud as the reply's error.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from . import edge
+from .protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
+
+app = ClientApp()
+
+
+@app.query()
+def sync(msg: Message, context: Context) -> Message:
+    ask = msg.content.config_records[SYNC]
+    cfg = edge.EdgeConfig.from_node_config(context.node_config)
+    answer = edge.sync(cfg, str(ask["client_id"]), str(ask["c_i_digest"]), int(ask["round"]))
+    return Message(RecordDict({SYNC: ConfigRecord({"json": json.dumps(answer)})}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    r = msg.content.config_records[ROUND]
+    files = record_bytes(msg.content.array_records[FILES])
+    cfg = edge.EdgeConfig.from_node_config(context.node_config)
+    packet, summary = edge.train(
+        cfg, str(r["client_id"]), str(r["c_i_digest"]), int(r["round"]), bytes(r["manifest"]), files
+    )
+    content = RecordDict(
+        {PACKET: bytes_record({"packet": packet}), SUMMARY: ConfigRecord({"json": json.dumps(summary)})}
+    )
+    return Message(content, reply_to=msg)

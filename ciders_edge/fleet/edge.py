@@ -1,0 +1,112 @@
+"""What a fleet round does on the edge, without Flower (the ClientApp only unwraps messages).
+
+An edge commits a round only once the cloud has aggregated it: training leaves the new state
+(c_i advanced by the decoded Δc, the personalized messenger) under ``STATE/pending``, and the
+next sync promotes it if the cloud's copy of c_i equals it, or drops it if the cloud never used
+the packet (the edge died, the reply came too late, the packet was refused). So c_i on the edge
+always equals the cloud's copy, whatever was killed when.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, StateError
+from ..state import METRICS_LOG, ClientState
+from .bundle_sync import held_files, install_bundle
+from .protocol import consensus_digest
+
+__all__ = ["EdgeConfig", "settle", "sync", "train", "PENDING", "BUNDLE"]
+
+PENDING = "pending"  # a trained round the cloud has not confirmed yet
+BUNDLE = "bundle"  # the edge's copy of the current bundle
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    """This device's settings, passed to its SuperNode as ``--node-config`` by ``ciders-edge join``."""
+
+    state: Path
+    data: Path
+    profile: str
+    codec: str = "fp32"
+    key: Path | None = None  # packet authentication key (the cloud holds the same in RUN/keys)
+
+    def to_node_config(self) -> str:
+        items = {"state": str(self.state), "data": str(self.data), "profile": self.profile, "codec": self.codec}
+        if self.key is not None:
+            items["key"] = str(self.key)
+        return " ".join(f'{k}="{v}"' for k, v in items.items())
+
+    @classmethod
+    def from_node_config(cls, cfg: Mapping) -> EdgeConfig:
+        try:
+            key = cfg.get("key")
+            return cls(
+                Path(cfg["state"]),
+                Path(cfg["data"]),
+                str(cfg["profile"]),
+                str(cfg.get("codec", "fp32")),
+                Path(key) if key else None,
+            )
+        except KeyError as err:
+            raise ConfigError(
+                f"the SuperNode's --node-config lacks {err.args[0]!r}; start it with `ciders-edge join`"
+            ) from None
+
+
+def settle(state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int) -> ClientState | None:
+    """Make the committed state the one the cloud's copy of c_i says it is; return it.
+
+    A pending round is committed when the cloud's c_i equals its c_i, and dropped once the cloud
+    is past that round without it; a late (stale) message of the same round leaves it pending."""
+    committed = ClientState.load(state_dir)
+    if committed is not None and committed.client_id != client_id:
+        raise StateError(
+            f"{state_dir}: this state belongs to client {committed.client_id!r}, "
+            f"but the cloud knows this node as {client_id!r}"
+        )
+    pending = ClientState.load(state_dir / PENDING)
+    if pending is not None and consensus_digest(pending.c_i) == cloud_digest:
+        pending.save(state_dir)  # the cloud aggregated our last packet: commit it
+        committed, pending = pending, None
+    if pending is None or cloud_round > pending.round:
+        shutil.rmtree(state_dir / PENDING, ignore_errors=True)
+    mine = consensus_digest(committed.c_i if committed else None)
+    if mine != cloud_digest:
+        raise StateError(
+            f"{state_dir}: this state's c_i differs from the cloud's copy for {client_id!r} "
+            f"({mine[:12] or 'none'} here, {cloud_digest[:12] or 'none'} there); it was trained outside this run"
+        )
+    return committed
+
+
+def sync(cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int) -> dict:
+    """Answer a round's opening: settle the last round, say which profile and bundle files we hold."""
+    state = settle(cfg.state, client_id, cloud_digest, cloud_round)
+    return {
+        "profile": cfg.profile,
+        "round": state.round if state is not None else -1,
+        "held": held_files(cfg.state / BUNDLE),
+    }
+
+
+def train(
+    cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int, manifest: bytes, files: dict[str, bytes]
+) -> tuple[bytes, dict]:
+    """One round: rebuild and verify the bundle, train (``ciders-edge train``'s code), keep the new
+    state pending; returns the packet and the training summary."""
+    from ..train import append_metrics, read_key, train_bundle  # transformers: only when training
+
+    state = settle(cfg.state, client_id, cloud_digest, cloud_round)
+    bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
+    key = read_key(cfg.key) if cfg.key is not None else None
+    summary, out = train_bundle(
+        bundle, cfg.data, state, client_id=client_id, profile=cfg.profile, codec=cfg.codec, key=key
+    )
+    out.state.save(cfg.state / PENDING)
+    append_metrics(cfg.state / METRICS_LOG, bundle.round, out.result.steps)
+    return out.packet_bytes, summary

@@ -1,0 +1,59 @@
+"""What travels in a fleet round's Flower messages: record names, keys, and how bytes ride in them.
+
+A round is two exchanges per edge:
+
+1. ``query`` (sync): the cloud says who the node is and its copy of the node's c_i (as a digest);
+   the edge settles its pending round against it and answers with its profile and the bundle
+   files it holds.
+2. ``train``: the cloud sends the round's bundle manifest and only the files the edge lacks; the
+   edge rebuilds the bundle, verifies every checksum, trains, and answers with its Δc packet.
+
+Files and packets ride as Flower ``Array`` objects of raw bytes, which Flower streams in chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from flwr.app import Array, ArrayRecord
+
+__all__ = [
+    "SYNC",
+    "ROUND",
+    "FILES",
+    "PACKET",
+    "SUMMARY",
+    "consensus_digest",
+    "bytes_record",
+    "record_bytes",
+]
+
+SYNC = "ciders.sync"  # ConfigRecord, both ways
+ROUND = "ciders.round"  # ConfigRecord: round, client id, c_i digest, bundle manifest
+FILES = "ciders.files"  # ArrayRecord: bundle files the edge lacks, by relative path
+PACKET = "ciders.packet"  # ArrayRecord: the Δc packet
+SUMMARY = "ciders.summary"  # ConfigRecord: the edge's training summary (JSON)
+RAW = "raw-bytes"  # our Array stype: ``data`` is the payload itself
+
+
+def consensus_digest(c_i: dict[str, torch.Tensor] | None) -> str:
+    """A digest of c_i that both ends compute bit-for-bit alike; ``""`` when there is none yet."""
+    if not c_i:
+        return ""
+    h = hashlib.sha256()
+    for name in sorted(c_i):
+        t = c_i[name].detach().to("cpu").contiguous()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def bytes_record(items: dict[str, bytes]) -> ArrayRecord:
+    """Raw byte strings as an ``ArrayRecord`` (Flower chunks large arrays on the wire)."""
+    return ArrayRecord({k: Array(dtype="uint8", shape=(len(v),), stype=RAW, data=v) for k, v in items.items()})
+
+
+def record_bytes(record: ArrayRecord) -> dict[str, bytes]:
+    return {k: bytes(a.data) for k, a in record.items()}

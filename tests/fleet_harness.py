@@ -1,0 +1,103 @@
+"""Processes on loopback for the fleet tests: a cloud (`ciders-cloud serve`) and edges (`ciders-edge join`),
+each in its own process group so a test can kill one the way a crash would, and bounded waits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ciders_cloud.fleet.certs import make_certs
+from ciders_cloud.fleet.coordinator import NODES_DIR
+from ciders_edge.fleet.keys import ensure_node_key
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    """One run folder served on 127.0.0.1 with TLS, and its edges' state folders under ``root``."""
+
+    def __init__(self, run_dir: Path, root: Path) -> None:
+        self.run_dir, self.root = run_dir, root
+        self.port = free_port()
+        self.procs: dict[str, subprocess.Popen] = {}
+        if not (run_dir / "certs").exists():
+            make_certs(run_dir / "certs", [])
+
+    def state(self, cid: str) -> Path:
+        return self.root / cid
+
+    def register(self, cid: str) -> None:
+        """Make the edge's node key and give its public key to the cloud."""
+        _, public = ensure_node_key(self.state(cid))
+        (self.run_dir / NODES_DIR).mkdir(exist_ok=True)
+        shutil.copy(public, self.run_dir / NODES_DIR / f"{cid}.pub")
+
+    def serve(self, rounds: int, min_clients: int, timeout: float, name: str = "cloud") -> None:
+        cmd = [BIN / "ciders-cloud", "serve", "--run", self.run_dir, "--rounds", rounds, "--min-clients", min_clients]
+        cmd += ["--address", f"127.0.0.1:{self.port}", "--round-timeout", timeout]
+        self._start(name, cmd)
+
+    def join(self, cid: str, data: Path, *extra) -> None:
+        cmd = [BIN / "ciders-edge", "join", "--server", f"127.0.0.1:{self.port}", "--state", self.state(cid), *extra]
+        cmd += ["--data", data, "--profile", "cpu-laptop", "--root-certificates", self.run_dir / "certs" / "ca.crt"]
+        self._start(cid, cmd)
+
+    def _start(self, name: str, cmd: list) -> None:
+        log = (self.root / f"{name}.log").open("ab")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.procs[name] = subprocess.Popen(
+            [str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and everything it started (its process group), like a crash."""
+        proc = self.procs.pop(name)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def wait(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout} s\n{self.log(name)[-4000:]}") from None
+
+    def wait_for_round(self, round_: int, timeout: float) -> None:
+        """Until the server state has ``round_`` completed rounds."""
+        state = self.run_dir / "server" / "state.json"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if json.loads(state.read_text())["round"] >= round_:
+                return
+            for name, proc in self.procs.items():
+                if proc.poll() is not None and name == "cloud":
+                    raise AssertionError(f"the cloud exited with {proc.returncode}\n{self.log(name)[-4000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"round {round_} not reached in {timeout} s\n{self.log('cloud')[-4000:]}")
+
+    def log(self, name: str) -> str:
+        """The process's output, with rich's line wrapping undone."""
+        path = self.root / f"{name}.log"
+        return " ".join(path.read_text(errors="replace").split()) if path.exists() else ""
+
+    def fleet_log(self) -> list[dict]:
+        return [json.loads(line) for line in (self.run_dir / "fleet" / "log.jsonl").read_text().splitlines()]
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)

@@ -1,0 +1,126 @@
+"""The fleet on loopback: `ciders-cloud serve` and `ciders-edge join` as real processes, TLS and
+SuperNode authentication on, on the `tiny` model. Each test is bounded in time."""
+
+import json
+
+import pytest
+import torch
+from fleet_harness import Fleet
+from test_simulate import _cfg as sim_cfg
+
+from ciders_cloud.prepare import STATE_DIR, bundle_path
+from ciders_cloud.simulate import SimConfig, prepare_study, simulate
+from ciders_cloud.state import ServerState
+from ciders_edge.bundle import Bundle
+from ciders_edge.fleet.edge import PENDING
+from ciders_edge.state import ClientState
+
+
+def _cfg(demo_dir, clients: int) -> SimConfig:
+    """`test_simulate`'s fast tiny study, with the first ``clients`` of its data files."""
+    data = [str(demo_dir / f / "train.jsonl") for f in ("arithmetic", "dates", "code")[:clients]]
+    return sim_cfg(demo_dir, clients=clients, data=data)
+
+
+@pytest.fixture
+def fleet_factory(tmp_path):
+    fleets = []
+
+    def make(cfg: SimConfig) -> tuple[Fleet, list[str]]:
+        run_dir, ids, _ = prepare_study(cfg, tmp_path / "fleet")
+        fleet = Fleet(run_dir, tmp_path / "edges")
+        (tmp_path / "edges").mkdir()
+        for cid in ids:
+            fleet.register(cid)
+        fleets.append(fleet)
+        return fleet, ids
+
+    yield make
+    for f in fleets:
+        f.close()
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _check_edges_agree(fleet: Fleet, ids: list[str], server: ServerState) -> None:
+    """After the run each edge has committed its last round, and its c_i is the cloud's copy."""
+    for cid in ids:
+        edge = ClientState.load(fleet.state(cid))
+        assert not (fleet.state(cid) / PENDING).exists()
+        assert _equal(edge.c_i, server.clients[cid]), cid
+
+
+def test_fleet_matches_simulate_bit_exactly(demo_dir, tmp_path, fleet_factory):
+    cfg = _cfg(demo_dir, clients=3)
+    simulate(cfg, tmp_path / "sim")
+    fleet, ids = fleet_factory(cfg)
+    sim_run = tmp_path / "sim" / "run"
+    assert Bundle.load(bundle_path(fleet.run_dir, "cpu-laptop", 0)).bundle_id == (
+        Bundle.load(bundle_path(sim_run, "cpu-laptop", 0)).bundle_id
+    )
+    fleet.serve(rounds=3, min_clients=3, timeout=120)
+    for cid in ids:
+        fleet.join(cid, fleet.run_dir.parent / "data" / cid / "train.jsonl")
+    assert fleet.wait("cloud", timeout=600) == 0, fleet.log("cloud")[-4000:]
+
+    got, want = ServerState.load(fleet.run_dir / STATE_DIR), ServerState.load(sim_run / STATE_DIR)
+    assert got.round == want.round == 3
+    for part in ("messenger", "consensus", "backbone"):  # v, c and the learnable-backbone LoRA
+        assert _equal(getattr(got, part), getattr(want, part)), part
+    assert got.clients.keys() == want.clients.keys()
+    assert all(_equal(got.clients[c], want.clients[c]) for c in ids)
+    _check_edges_agree(fleet, ids, got)
+
+    log = fleet.fleet_log()
+    rounds = [r for r in log if r["type"] == "round"]
+    assert [r["clients"] for r in rounds] == [ids] * 3
+    clients = [r for r in log if r["type"] == "client"]
+    assert all(r["status"] == "aggregated" for r in clients)
+    full = Bundle.load(bundle_path(fleet.run_dir, "cpu-laptop", 0))
+    full_bytes = full.delta_bytes(None)
+    sent = {(r["round"], r["client"]): r for r in clients}
+    for cid in ids:
+        assert sent[0, cid]["bytes_down"] == full_bytes  # round 0 ships the whole bundle
+        for t in (1, 2):  # later rounds only what changed: LoRA, consensus, manifest
+            assert 0 < sent[t, cid]["bytes_down"] < 0.2 * full_bytes
+            assert "backbone.safetensors" not in sent[t, cid]["files_down"]
+            packet = (tmp_path / "sim" / "packets" / f"round-{t:04d}" / f"{cid}.pkt").stat().st_size
+            assert sent[t, cid]["bytes_up"] == packet  # the same Δc packet as simulate's, byte for byte
+
+
+def test_fleet_survives_a_dead_edge_and_a_cloud_restart(demo_dir, fleet_factory):
+    fleet, (a, b) = fleet_factory(_cfg(demo_dir, clients=2))
+    data = {cid: fleet.run_dir.parent / "data" / cid / "train.jsonl" for cid in (a, b)}
+    fleet.serve(rounds=3, min_clients=2, timeout=60)  # a round waits this long for a dead edge
+    fleet.join(a, data[a])
+    fleet.join(b, data[b])
+    fleet.wait_for_round(1, timeout=300)
+    fleet.kill(b)  # the edge dies as round 1 starts
+    fleet.wait_for_round(2, timeout=300)  # round 1 closes with the other after the timeout
+    fleet.kill("cloud")  # the cloud host dies between rounds: serve, SuperLink, ServerApp
+    fleet.join(b, data[b])  # the edge comes back
+    fleet.serve(rounds=3, min_clients=2, timeout=60, name="cloud-again")
+    assert fleet.wait("cloud-again", timeout=400) == 0, fleet.log("cloud-again")
+    assert "at round 2 of 3" in fleet.log("cloud-again")  # resumed from the run folder
+
+    rounds = [r for r in fleet.fleet_log() if r["type"] == "round"]
+    assert [(r["round"], r["clients"]) for r in rounds] == [(0, [a, b]), (1, [a]), (2, [a, b])]
+    assert rounds[1]["left_out"] == [b]
+    server = ServerState.load(fleet.run_dir / STATE_DIR)
+    assert server.round == 3
+    _check_edges_agree(fleet, [a, b], server)
+    assert ClientState.load(fleet.state(b)).counters["rounds"] == 2  # rounds 0 and 2
+
+
+def test_unregistered_node_is_refused(demo_dir, fleet_factory):
+    fleet, (a,) = fleet_factory(_cfg(demo_dir, clients=1))
+    fleet.serve(rounds=1, min_clients=1, timeout=15)
+    stranger = fleet.state("stranger")
+    stranger.mkdir()
+    data = fleet.run_dir.parent / "data" / a / "train.jsonl"
+    fleet.join("stranger", data, "--admit-wait", "5")  # its key is made by join and never registered
+    assert fleet.wait("stranger", timeout=120) == 1
+    assert "did not admit this node" in fleet.log("stranger")
+    assert json.loads((fleet.run_dir / "server" / "state.json").read_text())["round"] == 0

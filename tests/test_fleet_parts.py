@@ -1,0 +1,249 @@
+"""The fleet's parts without a network: bundle shipping, the edge's commit rule, the cloud's
+packet checks and node identities, TLS material, and the commands' bad inputs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import fast_run_config
+from cryptography import x509
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from ciders_cloud.cli import app as cloud
+from ciders_cloud.fleet.certs import make_certs
+from ciders_cloud.fleet.coordinator import NODES_DIR, Coordinator, Edge
+from ciders_cloud.prepare import STATE_DIR
+from ciders_edge.bundle import MANIFEST, Bundle
+from ciders_edge.checksums import hash_folder, sha256_file
+from ciders_edge.cli import app as edge_cli
+from ciders_edge.errors import BundleError, ConfigError, PacketError, StateError
+from ciders_edge.fleet.bundle_sync import files_to_ship, held_files, install_bundle
+from ciders_edge.fleet.edge import PENDING, settle
+from ciders_edge.fleet.keys import ensure_node_key
+from ciders_edge.fleet.protocol import consensus_digest
+from ciders_edge.state import ClientState
+from ciders_edge.train import train
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def run0(tmp_path_factory, demo_dir):
+    """A tiny run with two registered edges, and a round-0 packet from each."""
+    from ciders_cloud import prepare
+
+    root = tmp_path_factory.mktemp("fleet-parts")
+    prepare(fast_run_config(demo_dir), root / "run")
+    (root / "run" / NODES_DIR).mkdir()
+    for cid in ("a", "b"):
+        _, pub = ensure_node_key(root / f"edge-{cid}")
+        shutil.copy(pub, root / "run" / NODES_DIR / f"{cid}.pub")
+        bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
+        train(bundle, demo_dir / "dates" / "train.jsonl", root / f"state-{cid}", root / f"{cid}.pkt", client_id=cid)
+    return root
+
+
+def _bundle(run0) -> Bundle:
+    return Bundle.load(run0 / "run" / "bundles" / "cpu-laptop" / "round-0000")
+
+
+def _next_bundle(src: Bundle, out) -> Bundle:
+    """A copy of ``src`` whose consensus changed, as the next round's bundle would."""
+    shutil.copytree(src.path, out)
+    save_file({k: t + 1 for k, t in src.consensus().items()}, out / "consensus.safetensors")
+    manifest = {**src.manifest, "round": src.round + 1, "files": hash_folder(out, exclude=MANIFEST)}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return Bundle.load(out)
+
+
+# -- bundle shipping ---------------------------------------------------------------------------
+
+
+def test_round_zero_ships_everything_and_later_rounds_only_what_changed(run0, tmp_path):
+    src, target = _bundle(run0), tmp_path / "edge" / "bundle"
+    assert held_files(target) == {}
+    first = files_to_ship(src, held_files(target))
+    assert set(first) == set(src.manifest["files"])
+    got = install_bundle(target, (src.path / MANIFEST).read_bytes(), first)
+    assert got.bundle_id == src.bundle_id and Bundle.load(target).bundle_id == src.bundle_id
+
+    nxt = _next_bundle(src, tmp_path / "next")
+    delta = files_to_ship(nxt, held_files(target))
+    assert set(delta) == {"consensus.safetensors"}
+    got = install_bundle(target, (nxt.path / MANIFEST).read_bytes(), delta)
+    assert got.bundle_id == nxt.bundle_id and Bundle.load(target).round == 1
+
+
+def test_a_corrupt_or_missing_file_is_refused_and_the_next_sync_asks_for_all(run0, tmp_path):
+    src, target = _bundle(run0), tmp_path / "bundle"
+    manifest = (src.path / MANIFEST).read_bytes()
+    install_bundle(target, manifest, files_to_ship(src, {}))
+    nxt = _next_bundle(src, tmp_path / "next")
+    with pytest.raises(BundleError, match="consensus.safetensors: neither sent by the cloud nor held"):
+        install_bundle(target, (nxt.path / MANIFEST).read_bytes(), {})
+    assert Bundle.load(target).bundle_id == src.bundle_id  # untouched
+    bad = {"consensus.safetensors": b"not the file"}
+    with pytest.raises(BundleError, match="checksum mismatch"):
+        install_bundle(target, (nxt.path / MANIFEST).read_bytes(), bad)
+    assert held_files(target) == {}  # dropped: the next round ships every file
+
+
+def test_a_manifest_path_outside_the_bundle_is_refused(tmp_path):
+    manifest = json.dumps({"files": {"../escape.txt": "0" * 64}}).encode()
+    with pytest.raises(BundleError, match="unsafe path"):
+        install_bundle(tmp_path / "bundle", manifest, {"../escape.txt": b"x"})
+    assert not (tmp_path / "escape.txt").exists()
+
+
+# -- the edge commits a round only once the cloud took it --------------------------------------
+
+
+def _states(tmp_path, run0):
+    """An edge folder whose committed state is round -1's (none) and a pending round 0."""
+    d = tmp_path / "edge"
+    shutil.copytree(run0 / "state-a" / "current", d / PENDING / "current")
+    return d, ClientState.load(d / PENDING)
+
+
+def test_pending_round_is_committed_when_the_cloud_holds_its_c_i(tmp_path, run0):
+    d, pending = _states(tmp_path, run0)
+    got = settle(d, "a", consensus_digest(pending.c_i), cloud_round=1)
+    assert got.round == 0 and torch.equal(next(iter(got.c_i.values())), next(iter(pending.c_i.values())))
+    assert not (d / PENDING).exists() and ClientState.load(d).round == 0
+
+
+def test_pending_round_is_dropped_when_the_cloud_went_on_without_it(tmp_path, run0):
+    d, _ = _states(tmp_path, run0)
+    assert settle(d, "a", "", cloud_round=0) is None  # a late message of the same round: keep it pending
+    assert (d / PENDING).exists()
+    assert settle(d, "a", "", cloud_round=1) is None  # the cloud closed round 0 without our packet
+    assert not (d / PENDING).exists() and ClientState.load(d) is None
+
+
+def test_state_that_differs_from_the_cloud_is_refused(tmp_path, run0):
+    d = tmp_path / "edge"
+    shutil.copytree(run0 / "state-a" / "current", d / "current")
+    with pytest.raises(StateError, match="differs from the cloud's copy"):
+        settle(d, "a", "", cloud_round=1)
+    with pytest.raises(StateError, match="belongs to client 'a'"):
+        settle(d, "b", "", cloud_round=1)
+    assert ClientState.load(d).round == 0  # nothing deleted
+
+
+def test_consensus_digest_sees_every_bit():
+    c = {"x": torch.zeros(3, 2), "y": torch.ones(4)}
+    flipped = {"x": c["x"].clone(), "y": c["y"]}
+    flipped["x"].view(torch.int32)[1, 1] ^= 1
+    assert consensus_digest(c) == consensus_digest({k: v.clone() for k, v in c.items()})
+    assert consensus_digest(c) != consensus_digest(flipped)
+    assert consensus_digest(None) == consensus_digest({}) == ""
+
+
+# -- the cloud: node identity and packet checks -------------------------------------------------
+
+
+class _Node:
+    def __init__(self, node_id: int, key_file):
+        from cryptography.hazmat.primitives import serialization
+
+        key = serialization.load_ssh_public_key(key_file.read_bytes())
+        self.node_id = node_id
+        fmt = serialization.PublicFormat.SubjectPublicKeyInfo
+        self.public_key = key.public_bytes(serialization.Encoding.PEM, fmt)
+
+
+def test_edges_are_known_by_their_registered_key_only(run0, tmp_path):
+    co = Coordinator(run0 / "run")
+    _, stranger = ensure_node_key(tmp_path / "stranger")
+    nodes = [_Node(7, run0 / "edge-b" / "node-key.pub"), _Node(9, stranger), _Node(3, run0 / "edge-a" / "node-key.pub")]
+    assert co.edges(nodes) == [Edge(3, "a"), Edge(7, "b")]
+
+
+def test_packet_from_another_client_or_round_is_refused_and_changes_nothing(run0, tmp_path):
+    shutil.copytree(run0 / "run", tmp_path / "run")
+    co = Coordinator(tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run" / STATE_DIR).iterdir()}
+    packet = (run0 / "a.pkt").read_bytes()
+    co.check(Edge(3, "a"), packet)  # the right node: accepted
+    with pytest.raises(PacketError, match="packet claims client 'a', the node is 'b'"):
+        co.check(Edge(7, "b"), packet)
+    co.close_round({Edge(3, "a"): packet})
+    with pytest.raises(PacketError, match="packet is for round 0, the server is at round 1"):
+        co.check(Edge(3, "a"), packet)
+    after = {p.name: p.read_bytes() for p in (tmp_path / "run" / STATE_DIR).iterdir()}
+    assert after != before and co.round == 1
+    assert Coordinator(tmp_path / "run").round == 1
+
+
+def test_a_node_key_that_is_not_one_is_refused(run0, tmp_path):
+    shutil.copytree(run0 / "run", tmp_path / "run")
+    (tmp_path / "run" / NODES_DIR / "c.pub").write_text("ssh-rsa garbage\n")
+    with pytest.raises(ConfigError, match="c.pub: not an OpenSSH public key"):
+        Coordinator(tmp_path / "run")
+
+
+# -- TLS material and the commands' bad inputs --------------------------------------------------
+
+
+def test_certs_make_a_ca_and_a_server_certificate_it_signed(tmp_path):
+    s = make_certs(tmp_path / "certs", ["cloud.example", "10.0.0.5"])
+    ca = x509.load_pem_x509_certificate((tmp_path / "certs" / "ca.crt").read_bytes())
+    server = x509.load_pem_x509_certificate((tmp_path / "certs" / "server.pem").read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"localhost", "cloud.example"} <= set(san.get_values_for_type(x509.DNSName))
+    assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "10.0.0.5"}
+    assert (tmp_path / "certs" / "server.key").stat().st_mode & 0o077 == 0
+    with pytest.raises(ConfigError, match="already holds certificates"):
+        make_certs(tmp_path / "certs", [])
+    assert s["hosts"][:2] == ["localhost", "127.0.0.1"]
+
+
+def test_node_key_is_made_once_and_kept_private(tmp_path):
+    r = runner.invoke(edge_cli, ["keygen", "--state", str(tmp_path / "s"), "--json"])
+    assert r.exit_code == 0, r.output
+    first = json.loads(r.stdout.strip().splitlines()[-1])
+    assert first["line"].startswith("ecdsa-sha2-nistp384 ")
+    digest = sha256_file(tmp_path / "s" / "node-key")
+    runner.invoke(edge_cli, ["keygen", "--state", str(tmp_path / "s")])
+    assert sha256_file(tmp_path / "s" / "node-key") == digest
+    assert (tmp_path / "s" / "node-key").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "0 edge keys for --min-clients 3"),
+        (["--min-clients", "2"], "make TLS material with `ciders-cloud certs"),
+        (["--min-clients", "2", "--address", "nowhere"], "expected HOST:PORT"),
+    ],
+)
+def test_serve_bad_inputs_are_one_line_errors(run0, tmp_path, args, message):
+    shutil.copytree(run0 / "run", tmp_path / "run")
+    if not args:
+        shutil.rmtree(tmp_path / "run" / NODES_DIR)
+        args = ["--min-clients", "3"]
+    r = runner.invoke(cloud, ["serve", "--run", str(tmp_path / "run"), "--rounds", "2", *args])
+    assert r.exit_code == 1 and message in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "run" / "fleet").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "missing.jsonl"], "missing.jsonl: no such data file"),
+        ([], "--root-certificates CA.crt is required"),
+        (["--root-certificates", "nope.crt"], "nope.crt: no such CA certificate file"),
+        (["--server", "cloud.example"], "--server 'cloud.example': expected HOST:PORT"),
+    ],
+)
+def test_join_bad_inputs_are_one_line_errors(demo_dir, tmp_path, args, message):
+    base = ["join", "--state", str(tmp_path / "s"), "--profile", "cpu-laptop"]
+    if "--data" not in args:
+        args = [*args, "--data", str(demo_dir / "dates" / "train.jsonl")]
+    if "--server" not in args:
+        args = [*args, "--server", "127.0.0.1:1"]
+    r = runner.invoke(edge_cli, [*base, *args])
+    assert r.exit_code == 1 and message in " ".join(r.output.split()), r.output
