@@ -70,7 +70,13 @@ def serve(opts: ServeOptions) -> dict:
         with _superlink(opts, fleet, env, tls):
             _register(run_dir, env)
             _run_app(opts, env)
-    return _summary(run_dir, start, opts.rounds)
+    summary = _summary(run_dir, start, opts.rounds)
+    if not summary["complete"]:  # `flwr run --stream` exits 0 whatever became of the run
+        raise StateError(
+            f"the fleet stopped at round {summary['round']} of {opts.rounds} (the ServerApp's log is above and in "
+            f"{run_dir / FLEET_DIR / 'superlink.log'}); run serve again to resume there"
+        )
+    return summary
 
 
 def _tls(opts: ServeOptions) -> dict[str, Path] | None:

@@ -7,9 +7,11 @@ Its SuperNode (``ciders-edge join``) passes the device's settings as node config
 from __future__ import annotations
 
 import json
+from logging import INFO
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 
 from . import edge
 from .protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
@@ -32,6 +34,12 @@ def train(msg: Message, context: Context) -> Message:
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
     packet, summary = edge.train(
         cfg, str(r["client_id"]), str(r["c_i_digest"]), int(r["round"]), bytes(r["manifest"]), files
+    )
+    s = summary
+    log(
+        INFO,
+        f"CIDERS round {s['round']}: {len(files)} bundle files received; loss {s['loss_first']:.4f} -> "
+        f"{s['loss_last']:.4f} in {s['steps']} steps; Δc packet {len(packet):,} bytes",
     )
     content = RecordDict(
         {PACKET: bytes_record({"packet": packet}), SUMMARY: ConfigRecord({"json": json.dumps(summary)})}
