@@ -120,6 +120,9 @@ def simulate(
     data: Annotated[
         list[str] | None, typer.Option(help="JSONL data (repeatable; one per client with per-file).")
     ] = None,
+    eval_data: Annotated[
+        list[str] | None, typer.Option(help="Per-file: each client's evaluation JSONL (default: a held-out share).")
+    ] = None,
     config: Annotated[
         str | None, typer.Option(help="TOML file (or preset name: paper) whose keys mirror the flags.")
     ] = None,
@@ -160,6 +163,7 @@ def simulate(
         flags = {
             "model": model,
             "data": data,
+            "eval_data": eval_data,
             "clients": clients,
             "rounds": rounds,
             "local_steps": local_steps,

@@ -42,6 +42,7 @@ class SimConfig(ConfigMixin):
 
     model: str = "tiny"
     data: list[str] = field(default_factory=list)
+    eval_data: list[str] = field(default_factory=list)  # per-file: each client's own evaluation file
     clients: int = 3
     rounds: int = 3
     local_steps: int = 10
@@ -73,6 +74,8 @@ class SimConfig(ConfigMixin):
             raise ConfigError(f"`participation` must be in (0, 1], got {self.participation}")
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"`holdout` must be in (0, 1), got {self.holdout}")
+        if self.eval_data and (self.partition != "per-file" or len(self.eval_data) != len(self.data)):
+            raise ConfigError("`eval_data` takes one evaluation file per --data file, with the per-file partition")
         get_strategy(self.algorithm)
 
 
@@ -190,17 +193,20 @@ def _materialize_data(cfg: SimConfig, root: Path, ids: list[str]) -> dict[str, s
         labels = [_label(p, f"part-{i}") for i, p in enumerate(parts)]
     rng = random.Random(cfg.seed)
     public = []
-    for cid, part in zip(ids, parts, strict=True):
+    evals = [read_jsonl(f) for f in cfg.eval_data] or [None] * len(parts)
+    for cid, part, held in zip(ids, parts, evals, strict=True):
         part = list(part)
         rng.shuffle(part)
         if cfg.max_records:
             part = part[: cfg.max_records]
-        n_eval = max(1, int(len(part) * cfg.holdout))
-        if len(part) <= n_eval:
-            raise ConfigError(f"{cid} has {len(part)} records: too few to hold out {n_eval} for evaluation")
-        _write_jsonl(root / cid / "eval.jsonl", part[:n_eval])
-        _write_jsonl(root / cid / "train.jsonl", part[n_eval:])
-        public += part[n_eval : n_eval + 40]
+        if held is None:  # hold out a share of the client's own records
+            n_eval = max(1, int(len(part) * cfg.holdout))
+            if len(part) <= n_eval:
+                raise ConfigError(f"{cid} has {len(part)} records: too few to hold out {n_eval} for evaluation")
+            held, part = part[:n_eval], part[n_eval:]
+        _write_jsonl(root / cid / "eval.jsonl", held)
+        _write_jsonl(root / cid / "train.jsonl", part)
+        public += part[:40]
     if not cfg.public_data:
         _write_jsonl(root / "public.jsonl", public)
     return dict(zip(ids, labels, strict=True))

@@ -9,6 +9,7 @@ from ciders_cloud.prepare import STATE_DIR
 from ciders_cloud.simulate import SimConfig, simulate
 from ciders_cloud.state import ServerState
 from ciders_cloud.strategies import STRATEGIES
+from ciders_edge.errors import ConfigError
 
 FAST = dict(
     model="tiny",
@@ -80,3 +81,16 @@ def test_simulate_refuses_bad_partition_and_existing_out(demo_dir, tmp_path):
     (tmp_path / "y" / "f").write_text("")
     with pytest.raises(ConfigError, match="already exists"):
         simulate(_cfg(demo_dir), tmp_path / "y")
+
+
+def test_per_file_evaluation_data_is_each_clients_own_file(demo_dir, tmp_path):
+    fams = ("arithmetic", "dates", "code")
+    cfg = _cfg(demo_dir, rounds=1, eval_data=[str(demo_dir / f / "eval.jsonl") for f in fams])
+    simulate(cfg, tmp_path / "sim")
+    for i, f in enumerate(fams):
+        got = (tmp_path / "sim" / "data" / f"client-{i:02d}" / "eval.jsonl").read_text().splitlines()
+        assert [json.loads(r) for r in got] == [
+            json.loads(r) for r in (demo_dir / f / "eval.jsonl").read_text().splitlines()
+        ]
+    with pytest.raises(ConfigError, match="one evaluation file per --data file"):
+        _cfg(demo_dir, eval_data=[str(demo_dir / "code" / "eval.jsonl")])
