@@ -218,7 +218,6 @@ def serve(
     address: Annotated[str, typer.Option(help="HOST:PORT the SuperLink listens on.")] = "0.0.0.0:9092",
     round_timeout: Annotated[float, typer.Option(help="Seconds to wait for edges and their replies.")] = 600.0,
     certs: Annotated[Path | None, typer.Option(help="Folder from `ciders-cloud certs` (default RUN/certs).")] = None,
-    insecure: Annotated[bool, typer.Option(help="Plain HTTP, no TLS: closed test networks only.")] = False,
     connect: Annotated[bool, typer.Option(help="Use a SuperLink already running at --address.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -237,9 +236,7 @@ def serve(
         console.print(f"[green]✓[/] run at round {s['round']} of {s['rounds']} ({done})")
 
     opts = dict(min_clients=min_clients, address=address, round_timeout=round_timeout, certs=certs)
-    run_command(
-        lambda: serve_fleet(ServeOptions(run, rounds, insecure=insecure, connect=connect, **opts)), as_json, render
-    )
+    run_command(lambda: serve_fleet(ServeOptions(run, rounds, connect=connect, **opts)), as_json, render)
 
 
 @app.command()

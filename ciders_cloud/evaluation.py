@@ -9,7 +9,15 @@ from statistics import mean
 from ciders_edge.bundle import Bundle
 from ciders_edge.data import load_examples, read_jsonl, to_chat
 from ciders_edge.emu import EdgeModel, load_edge_model
-from ciders_edge.evaluate import exact_match_answer, generate_answers, perplexity, response_nll, rouge_l, use_messenger
+from ciders_edge.evaluate import (
+    backbone_batches,
+    exact_match_answer,
+    generate_answers,
+    messenger_nll,
+    perplexity,
+    rouge_l,
+    use_messenger,
+)
 from ciders_edge.state import ClientState
 
 __all__ = ["evaluate_round", "delta_cross"]
@@ -28,8 +36,11 @@ def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[st
     edge = load_edge_model(Bundle.load(bundle_dir))
     v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
     round_ = edge.bundle.round - 1
-    evals = {
-        cid: load_examples(out / "data" / cid / "eval.jsonl", edge.tokenizer, 512)[: cfg.eval_examples] for cid in ids
+    evals = {  # through the shared backbone once: each row of the matrix only swaps the messenger
+        cid: backbone_batches(
+            edge, load_examples(out / "data" / cid / "eval.jsonl", edge.tokenizer, 512)[: cfg.eval_examples]
+        )
+        for cid in ids
     }
     personal = {}
     for cid in ids:
@@ -38,9 +49,9 @@ def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[st
     records, matrix = [], []
     for cid in ids:
         use_messenger(edge, v)
-        nll_global = response_nll(edge, evals[cid])
+        nll_global = messenger_nll(edge, evals[cid])
         use_messenger(edge, personal[cid])
-        row = [response_nll(edge, evals[other]) for other in ids]
+        row = [messenger_nll(edge, evals[other]) for other in ids]
         matrix.append(row)
         nll_personal = row[ids.index(cid)]
         rouge, em = _generation_scores(edge, out / "data" / cid / "eval.jsonl", cfg.eval_generate)

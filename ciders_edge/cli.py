@@ -261,7 +261,6 @@ def join(
     root_certificates: Annotated[
         Path | None, typer.Option(help="The cloud's CA certificate (ca.crt from `ciders-cloud certs`).")
     ] = None,
-    insecure: Annotated[bool, typer.Option(help="Plain HTTP, no TLS: closed test networks only.")] = False,
     codec: Annotated[str, typer.Option(help="Packet codec: fp32 (lossless), bf16 or int8.")] = "fp32",
     key_file: Annotated[Path | None, typer.Option(help="Client key: packets get an HMAC tag.")] = None,
     admit_wait: Annotated[float, typer.Option(help="Seconds to keep asking a SuperLink that does not admit us.")] = 60,
@@ -277,12 +276,12 @@ def join(
             data,
             profile,
             root_certificates=root_certificates,
-            insecure=insecure,
             codec=codec,
             key=key_file,
+            admit_wait=admit_wait,
         ),
         as_json,
-        lambda s: console.print(f"[green]✓[/] the SuperNode stopped (exit code {s['exit_code']})"),
+        lambda s: console.print("[green]✓[/] the SuperNode stopped"),
     )
 
 

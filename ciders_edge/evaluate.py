@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,16 @@ from .emu import EdgeModel
 from .lora import MESSENGER, copy_into, lora_parameters
 from .update import Tensors
 
-__all__ = ["use_messenger", "response_nll", "perplexity", "rouge_l", "exact_match_answer", "generate_answers"]
+__all__ = [
+    "use_messenger",
+    "backbone_batches",
+    "messenger_nll",
+    "response_nll",
+    "perplexity",
+    "rouge_l",
+    "exact_match_answer",
+    "generate_answers",
+]
 
 
 def use_messenger(edge: EdgeModel, x: Tensors) -> None:
@@ -21,20 +31,46 @@ def use_messenger(edge: EdgeModel, x: Tensors) -> None:
     copy_into(lora_parameters(edge.model, MESSENGER), x)
 
 
+@dataclass
+class BackboneBatch:
+    """One batch run through the frozen learnable backbone: what every messenger is scored on."""
+
+    hidden: torch.Tensor
+    ctx: object
+    positions: torch.Tensor
+    targets: torch.Tensor
+
+
 @torch.no_grad()
-def response_nll(edge: EdgeModel, examples: list[Example], batch_size: int = 8) -> float:
-    """Mean negative log-likelihood per response token (perplexity = exp of it)."""
+def backbone_batches(edge: EdgeModel, examples: list[Example], batch_size: int = 8) -> list[BackboneBatch]:
+    """Run ``examples`` through the backbone once; scoring several messengers on them (a cross-domain
+    NLL matrix) then costs only messenger passes."""
     edge.model.eval()
-    total, count = 0.0, 0
     device = next(edge.model.parameters()).device
+    out = []
     for i in range(0, len(examples), batch_size):
         b = {k: t.to(device) for k, t in collate(examples[i : i + batch_size], edge.tokenizer.pad_token_id).items()}
         h, ctx = backbone_hidden(edge.model, b["input_ids"], b["attention_mask"], edge.split.n_kept)
         positions, targets = response_positions(b["labels"])
-        logits = messenger_logits(edge.model, h, ctx, edge.split.n_kept, positions)
-        total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
-        count += targets.numel()
+        out.append(BackboneBatch(h, ctx, positions, targets))
+    return out
+
+
+@torch.no_grad()
+def messenger_nll(edge: EdgeModel, batches: list[BackboneBatch]) -> float:
+    """Mean negative log-likelihood per response token of the messenger now loaded."""
+    edge.model.eval()
+    total, count = 0.0, 0
+    for b in batches:
+        logits = messenger_logits(edge.model, b.hidden, b.ctx, edge.split.n_kept, b.positions)
+        total += float(F.cross_entropy(logits.float(), b.targets, reduction="sum"))
+        count += b.targets.numel()
     return total / max(count, 1)
+
+
+def response_nll(edge: EdgeModel, examples: list[Example], batch_size: int = 8) -> float:
+    """Mean negative log-likelihood per response token (perplexity = exp of it)."""
+    return messenger_nll(edge, backbone_batches(edge, examples, batch_size))
 
 
 def perplexity(nll: float) -> float:

@@ -121,6 +121,6 @@ def test_unregistered_node_is_refused(demo_dir, fleet_factory):
     stranger.mkdir()
     data = fleet.run_dir.parent / "data" / a / "train.jsonl"
     fleet.join("stranger", data, "--admit-wait", "5")  # its key is made by join and never registered
-    assert fleet.wait("stranger", timeout=120) == 1
+    assert fleet.wait("stranger", timeout=60) == 1  # gives up after --admit-wait, not the default 60 s
     assert "did not admit this node" in fleet.log("stranger")
     assert json.loads((fleet.run_dir / "server" / "state.json").read_text())["round"] == 0

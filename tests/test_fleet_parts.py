@@ -49,6 +49,10 @@ def _bundle(run0) -> Bundle:
     return Bundle.load(run0 / "run" / "bundles" / "cpu-laptop" / "round-0000")
 
 
+def _ship(bundle: Bundle, held: dict) -> dict[str, bytes]:
+    return {rel: (bundle.path / rel).read_bytes() for rel in files_to_ship(bundle, held)}
+
+
 def _next_bundle(src: Bundle, out) -> Bundle:
     """A copy of ``src`` whose consensus changed, as the next round's bundle would."""
     shutil.copytree(src.path, out)
@@ -64,13 +68,13 @@ def _next_bundle(src: Bundle, out) -> Bundle:
 def test_round_zero_ships_everything_and_later_rounds_only_what_changed(run0, tmp_path):
     src, target = _bundle(run0), tmp_path / "edge" / "bundle"
     assert held_files(target) == {}
-    first = files_to_ship(src, held_files(target))
+    first = _ship(src, held_files(target))
     assert set(first) == set(src.manifest["files"])
     got = install_bundle(target, (src.path / MANIFEST).read_bytes(), first)
     assert got.bundle_id == src.bundle_id and Bundle.load(target).bundle_id == src.bundle_id
 
     nxt = _next_bundle(src, tmp_path / "next")
-    delta = files_to_ship(nxt, held_files(target))
+    delta = _ship(nxt, held_files(target))
     assert set(delta) == {"consensus.safetensors"}
     got = install_bundle(target, (nxt.path / MANIFEST).read_bytes(), delta)
     assert got.bundle_id == nxt.bundle_id and Bundle.load(target).round == 1
@@ -79,7 +83,7 @@ def test_round_zero_ships_everything_and_later_rounds_only_what_changed(run0, tm
 def test_a_corrupt_or_missing_file_is_refused_and_the_next_sync_asks_for_all(run0, tmp_path):
     src, target = _bundle(run0), tmp_path / "bundle"
     manifest = (src.path / MANIFEST).read_bytes()
-    install_bundle(target, manifest, files_to_ship(src, {}))
+    install_bundle(target, manifest, _ship(src, {}))
     nxt = _next_bundle(src, tmp_path / "next")
     with pytest.raises(BundleError, match="consensus.safetensors: neither sent by the cloud nor held"):
         install_bundle(target, (nxt.path / MANIFEST).read_bytes(), {})
@@ -88,6 +92,17 @@ def test_a_corrupt_or_missing_file_is_refused_and_the_next_sync_asks_for_all(run
     with pytest.raises(BundleError, match="checksum mismatch"):
         install_bundle(target, (nxt.path / MANIFEST).read_bytes(), bad)
     assert held_files(target) == {}  # dropped: the next round ships every file
+
+
+def test_a_held_file_that_vanished_drops_the_local_copy(run0, tmp_path):
+    src, target = _bundle(run0), tmp_path / "bundle"
+    install_bundle(target, (src.path / MANIFEST).read_bytes(), _ship(src, {}))
+    nxt = _next_bundle(src, tmp_path / "next")
+    (target / "backbone.safetensors").unlink()  # still listed by the local manifest
+    delta = _ship(nxt, held_files(target))
+    with pytest.raises(BundleError, match="held file unreadable"):
+        install_bundle(target, (nxt.path / MANIFEST).read_bytes(), delta)
+    assert held_files(target) == {}
 
 
 def test_a_manifest_path_outside_the_bundle_is_refused(tmp_path):
@@ -117,6 +132,10 @@ def test_pending_round_is_committed_when_the_cloud_holds_its_c_i(tmp_path, run0)
 def test_pending_round_is_dropped_when_the_cloud_went_on_without_it(tmp_path, run0):
     d, _ = _states(tmp_path, run0)
     assert settle(d, "a", "", cloud_round=0) is None  # a late message of the same round: keep it pending
+    assert (d / PENDING).exists()
+    digest = consensus_digest(ClientState.load(d / PENDING).c_i)
+    with pytest.raises(StateError, match="differs from the cloud"):  # same round: not aggregated yet, not committed
+        settle(d, "a", digest, cloud_round=0)
     assert (d / PENDING).exists()
     assert settle(d, "a", "", cloud_round=1) is None  # the cloud closed round 0 without our packet
     assert not (d / PENDING).exists() and ClientState.load(d) is None
@@ -177,10 +196,19 @@ def test_packet_from_another_client_or_round_is_refused_and_changes_nothing(run0
     assert Coordinator(tmp_path / "run").round == 1
 
 
-def test_a_node_key_that_is_not_one_is_refused(run0, tmp_path):
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("c.pub", "ssh-rsa garbage\n", "c.pub: not an OpenSSH public key"),
+        ("bad id.pub", None, "'bad id' is not a client id of this run"),
+        ("c.pub", None, "the same key as a.pub"),
+    ],
+)
+def test_a_bad_node_key_file_is_refused(run0, tmp_path, name, content, message):
     shutil.copytree(run0 / "run", tmp_path / "run")
-    (tmp_path / "run" / NODES_DIR / "c.pub").write_text("ssh-rsa garbage\n")
-    with pytest.raises(ConfigError, match="c.pub: not an OpenSSH public key"):
+    nodes = tmp_path / "run" / NODES_DIR
+    (nodes / name).write_text(content if content is not None else (nodes / "a.pub").read_text())
+    with pytest.raises(ConfigError, match=message):
         Coordinator(tmp_path / "run")
 
 

@@ -83,5 +83,4 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
     )
-    write_bytes(path, pem)
-    path.chmod(0o600)
+    write_bytes(path, pem, mode=0o600)

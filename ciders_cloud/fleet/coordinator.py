@@ -22,7 +22,7 @@ from ciders_edge.fleet.bundle_sync import files_to_ship
 from ciders_edge.fleet.protocol import consensus_digest
 
 from ..prepare import STATE_DIR, bundle_path, load_run
-from ..rounds import aggregate_packets, check_packets, read_packets
+from ..rounds import CLIENT_ID, aggregate_packets, check_packets, read_packets
 from ..state import ServerState
 from ..strategies import round_hyperparams_for
 
@@ -39,15 +39,24 @@ class Edge:
     client_id: str
 
 
-def node_keys(run_dir: Path) -> dict[bytes, str]:
+def node_keys(run_dir: Path, allowed: list[str] | None = None) -> dict[bytes, str]:
     """``{public key (PEM, as Flower reports it): client id}`` from ``RUN/nodes/*.pub``."""
-    keys = {}
+    keys: dict[bytes, str] = {}
     for path in sorted((run_dir / NODES_DIR).glob("*.pub")):
+        if not CLIENT_ID.fullmatch(path.stem) or (allowed and path.stem not in allowed):
+            why = (
+                "letters, digits, . _ -"
+                if not CLIENT_ID.fullmatch(path.stem)
+                else "the run accepts " + ", ".join(allowed)
+            )
+            raise ConfigError(f"{path}: {path.stem!r} is not a client id of this run ({why})")
         try:
             key = serialization.load_ssh_public_key(path.read_bytes())
         except (ValueError, TypeError):
             raise ConfigError(f"{path}: not an OpenSSH public key (an edge's node-key.pub)") from None
         pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        if pem in keys:
+            raise ConfigError(f"{path}: the same key as {keys[pem]}.pub; each edge has its own")
         keys[pem] = path.stem
     return keys
 
@@ -58,9 +67,11 @@ class Coordinator:
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
         self.run = load_run(self.run_dir)
-        self.keys = node_keys(self.run_dir)
+        self.keys = node_keys(self.run_dir, self.run.clients)
         self.state = ServerState.load(self.run_dir / STATE_DIR)
+        self.started = self.state.round  # where this ServerApp took the run up
         self._bundles: dict[str, Bundle] = {}  # this round's, verified once
+        self._bytes: dict[tuple[str, str], bytes] = {}  # their files, read once for every edge
 
     @property
     def round(self) -> int:
@@ -78,13 +89,16 @@ class Coordinator:
 
     def train_request(self, edge: Edge, answer: dict) -> tuple[dict, dict[str, bytes]]:
         """This round's bundle for the edge's profile: the manifest, and the files the edge lacks."""
-        profile = answer.get("profile")
+        profile = answer.get("profile") if isinstance(answer, dict) else None
         if profile not in self.run.profiles:
             raise ConfigError(
                 f"{edge.client_id} runs profile {profile!r}; this run ships {', '.join(self.run.profiles)}"
             )
+        held = answer.get("held")
+        if not isinstance(held, dict):
+            raise ConfigError(f"{edge.client_id} sent an unreadable sync answer")
         bundle = self.bundle(profile)
-        files = files_to_ship(bundle, answer.get("held") or {})
+        files = {rel: self._file(profile, rel) for rel in files_to_ship(bundle, held)}
         config = {**self.sync_request(edge), "manifest": (bundle.path / MANIFEST).read_bytes()}
         return config, files
 
@@ -108,8 +122,13 @@ class Coordinator:
         ]
         summary = aggregate_packets(self.run_dir, items)
         self.state = ServerState.load(self.run_dir / STATE_DIR)
-        self._bundles = {}
+        self._bundles, self._bytes = {}, {}
         return summary
+
+    def _file(self, profile: str, rel: str) -> bytes:
+        if (profile, rel) not in self._bytes:
+            self._bytes[profile, rel] = (self.bundle(profile).path / rel).read_bytes()
+        return self._bytes[profile, rel]
 
     def bundle(self, profile: str) -> Bundle:
         if profile not in self._bundles:

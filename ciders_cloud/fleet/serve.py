@@ -9,7 +9,6 @@ Flower's own command-line tools, driven with their documented flags.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ciders_edge.errors import ConfigError, StateError
-from ciders_edge.fleet.join import flower_tool
+from ciders_edge.fleet.join import flower_env, flower_tool, stop_on_sigterm
 from ciders_edge.progress import console
 
 from ..prepare import STATE_DIR, load_run
@@ -41,7 +40,6 @@ class ServeOptions:
     address: str = "0.0.0.0:9092"  # where the SuperLink listens for edges (and Flower's own tools)
     round_timeout: float = 600.0
     certs: Path | None = None  # default RUN/certs
-    insecure: bool = False  # plain HTTP: closed test networks only
     connect: bool = False  # use a SuperLink already running at `address`
 
     def __post_init__(self) -> None:
@@ -64,6 +62,7 @@ def serve(opts: ServeOptions) -> dict:
             "copy each edge's node-key.pub there as <client-id>.pub"
         )
     tls = _tls(opts)
+    stop_on_sigterm()
     if start < opts.rounds:
         fleet = run_dir / FLEET_DIR
         env = _flower_home(fleet / "flwr", opts, tls)
@@ -79,33 +78,28 @@ def serve(opts: ServeOptions) -> dict:
     return summary
 
 
-def _tls(opts: ServeOptions) -> dict[str, Path] | None:
-    if opts.insecure:
-        return None
+def _tls(opts: ServeOptions) -> dict[str, Path]:
     certs = opts.certs or opts.run_dir / "certs"
     files = {"ca": certs / CA_CERT, "cert": certs / SERVER_CERT, "key": certs / SERVER_KEY}
     missing = [str(p) for p in files.values() if not p.is_file()]
     if missing:
-        raise ConfigError(
-            f"{missing[0]}: missing; make TLS material with `ciders-cloud certs --out {certs}` "
-            "(or pass --insecure on a closed test network)"
-        )
+        raise ConfigError(f"{missing[0]}: missing; make TLS material with `ciders-cloud certs --out {certs}`")
     return files
 
 
-def _flower_home(home: Path, opts: ServeOptions, tls: dict[str, Path] | None) -> dict[str, str]:
+def _flower_home(home: Path, opts: ServeOptions, tls: dict[str, Path]) -> dict[str, str]:
     """A Flower home for this run whose one connection is our SuperLink; the env to run Flower's tools in."""
     home.mkdir(parents=True, exist_ok=True)
     host, _, port = opts.address.rpartition(":")
-    lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]"]
-    lines.append(f'address = "{_local(host)}:{port}"')
-    lines.append("insecure = true" if tls is None else f'root-certificates = "{tls["ca"].resolve()}"')
+    connection = {"address": f"{_local(host)}:{port}", "root-certificates": str(tls["ca"].resolve())}
+    lines = ["[superlink]", f"default = {json.dumps(CONNECTION)}", "", f"[superlink.{CONNECTION}]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in connection.items()]  # JSON strings are TOML basic strings
     (home / "config.toml").write_text("\n".join(lines) + "\n")
-    return {**os.environ, "FLWR_HOME": str(home.resolve())}
+    return flower_env(home)
 
 
 @contextmanager
-def _superlink(opts: ServeOptions, fleet: Path, env: dict[str, str], tls: dict[str, Path] | None) -> Iterator[None]:
+def _superlink(opts: ServeOptions, fleet: Path, env: dict[str, str], tls: dict[str, Path]) -> Iterator[None]:
     host, _, port = opts.address.rpartition(":")
     if opts.connect:
         _wait_for_port(host, int(port), 5.0, "the running SuperLink")
@@ -115,16 +109,12 @@ def _superlink(opts: ServeOptions, fleet: Path, env: dict[str, str], tls: dict[s
         raise StateError(f"{opts.address}: something already listens there; stop it, or pass --connect to use it")
     cmd = [flower_tool("flower-superlink"), "--host", host, "--port", port, "--enable-supernode-auth"]
     cmd += ["--database", str((fleet / "superlink.db").resolve()), "--disable-runtime-dependency-installation"]
-    if tls is None:
-        cmd.append("--insecure")
-    else:
-        cmd += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"])]
-        cmd += ["--ssl-keyfile", str(tls["key"])]
+    cmd += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
     log = (fleet / "superlink.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_for_port(host, int(port), 60.0, f"the SuperLink (log: {fleet / 'superlink.log'})", proc)
-        console.print(f"SuperLink on {opts.address} ({'TLS' if tls else 'insecure'}, SuperNode authentication on)")
+        console.print(f"SuperLink on {opts.address} (TLS, SuperNode authentication on)")
         yield
     finally:
         proc.terminate()  # it stops the ServerApp processes it started
@@ -181,7 +171,7 @@ def _register(run_dir: Path, env: dict[str, str]) -> None:
 def _run_app(opts: ServeOptions, env: dict[str, str]) -> None:
     """``flwr run`` the fleet app and stream its log until the run ends; fail if it did not finish."""
     config = (
-        f'run-dir="{opts.run_dir.resolve()}" rounds={opts.rounds} '
+        f"run-dir={json.dumps(str(opts.run_dir.resolve()))} rounds={opts.rounds} "
         f"min-clients={opts.min_clients} round-timeout={float(opts.round_timeout)}"
     )
     cmd = [flower_tool("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config", config, "--stream"]
@@ -198,7 +188,12 @@ def _summary(run_dir: Path, start: int, rounds: int) -> dict:
     """What this serve did, from the run folder: the round reached and each client-round's bytes."""
     end = ServerState.load(run_dir / STATE_DIR).round
     log = run_dir / FLEET_DIR / FLEET_LOG
-    records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    records = []
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a killed ServerApp
+            continue
     mine = [r for r in records if r["round"] >= start]
     return {
         "run": str(run_dir),

@@ -8,8 +8,11 @@ The run folder is the only state: a restarted cloud resumes at its last complete
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
@@ -18,12 +21,26 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from ciders_edge.errors import CidersError
+from ciders_edge.errors import CidersError, StateError
 from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
 
-from .coordinator import Coordinator, Edge, refusal
+from .coordinator import FLEET_DIR, Coordinator, Edge, refusal
 
 app = ServerApp()
+MAX_EMPTY_ROUNDS = 3  # rounds in a row without an accepted packet before the run gives up
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """One ServerApp per run folder: a second one (a second `serve --connect`) is refused."""
+    path = run_dir / FLEET_DIR / "serverapp.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateError(f"{run_dir}: another ServerApp is running this run") from None
+        yield
 
 
 @dataclass(frozen=True)
@@ -43,18 +60,24 @@ class ServeSettings:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     s = ServeSettings.from_run_config(context.run_config)
-    co = Coordinator(s.run_dir)
-    log(INFO, "CIDERS fleet: %s at round %d of %d, %d edge keys", s.run_dir, co.round, s.rounds, len(co.keys))
-    first = True
-    while co.round < s.rounds:
-        run_round(grid, co, s, patient=first)
-        first = False
-    edges = wait_for_edges(grid, co, s, patient=False)
-    exchange(grid, {e: _sync_message(co, e, s) for e in edges}, s.round_timeout)  # edges commit the last round
-    log(INFO, "CIDERS fleet: done, %d rounds", co.round)
+    with run_lock(s.run_dir):
+        co = Coordinator(s.run_dir)
+        log(INFO, "CIDERS fleet: %s at round %d of %d, %d edge keys", s.run_dir, co.round, s.rounds, len(co.keys))
+        empty = 0
+        while co.round < s.rounds:
+            closed = run_round(grid, co, s, patient=empty == 0 and co.round == co.started)
+            empty = 0 if closed else empty + 1
+            if empty == MAX_EMPTY_ROUNDS:
+                raise ReplyError(
+                    f"round {co.round}: no packet accepted {empty} times in a row; see RUN/fleet/log.jsonl"
+                )
+        edges = co.edges(grid.get_nodes())  # whoever is online now: they commit the last round
+        exchange(grid, {e: _sync_message(co, e, s) for e in edges}, s.round_timeout)
+        log(INFO, "CIDERS fleet: done, %d rounds", co.round)
 
 
-def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> None:
+def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> bool:
+    """One round; False when no packet was accepted (the round is then run again)."""
     t, started = co.round, time.monotonic()
     edges = wait_for_edges(grid, co, s, patient)
     log(INFO, "round %d: syncing %s", t, ", ".join(e.client_id for e in edges))
@@ -65,7 +88,7 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> N
         try:
             answer = json.loads(_content(answers.get(e), "sync", s).config_records[SYNC]["json"])
             config, files = co.train_request(e, answer)
-        except (CidersError, KeyError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001  one edge's bad answer must not stop the round
             records[e]["status"] = refusal(err)
             continue
         records[e].update(bytes_down=len(config["manifest"]) + sum(map(len, files.values())), files_down=sorted(files))
@@ -76,12 +99,11 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> N
         try:
             content = _content(reply, "training", s)
             packet = record_bytes(content.array_records[PACKET])["packet"]
-            summary = json.loads(content.config_records[SUMMARY]["json"])
-            records[e].update({k: v for k, v in summary.items() if k not in ("client_id", "packet_bytes")})
             records[e]["bytes_up"] = len(packet)
+            records[e]["edge"] = json.loads(content.config_records[SUMMARY]["json"])  # what the edge reports
             co.check(e, packet)
             accepted[e] = packet
-        except (CidersError, KeyError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001  one edge's bad reply must not stop the round
             records[e]["status"] = refusal(err)
     for e in train.keys() - accepted.keys():
         records[e].setdefault("status", f"no reply to training within {s.round_timeout:g} s")
@@ -91,7 +113,7 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> N
     if not accepted:
         co.log(list(records.values()))
         log(WARNING, "round %d: no packet accepted; the round starts again", t)
-        return
+        return False
     summary = co.close_round(accepted)
     for e in accepted:
         records[e]["status"] = "aggregated"
@@ -106,6 +128,7 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> N
         f"{sum(r['bytes_up'] for r in records.values()):,}",
         f"{sum(r['bytes_down'] for r in records.values()):,}",
     )
+    return True
 
 
 def wait_for_edges(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> list[Edge]:
@@ -113,7 +136,7 @@ def wait_for_edges(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool)
     one goes on after the round timeout with whoever is there, so a dead edge does not stop the run."""
     deadline, said = time.monotonic() + s.round_timeout, 0.0
     while True:
-        edges = co.edges(n for n in grid.get_nodes() if n.status == "online")
+        edges = co.edges(grid.get_nodes())  # the SuperLink lists online nodes only
         if len(edges) >= s.min_clients or (edges and not patient and time.monotonic() > deadline):
             return edges
         if time.monotonic() - said > 30:
@@ -123,12 +146,13 @@ def wait_for_edges(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool)
 
 
 def exchange(grid: Grid, messages: dict[Edge, Message], timeout: float) -> dict[Edge, Message]:
-    """Send, and collect the replies that arrive within ``timeout``, by edge."""
+    """Send, and collect the replies that arrive within ``timeout``, by edge (matched on the message
+    they answer, so an error the SuperLink returns for a node is that node's)."""
     if not messages:
         return {}
-    by_node = {e.node_id: e for e in messages}
-    replies = grid.send_and_receive(list(messages.values()), timeout=timeout)
-    return {by_node[r.metadata.src_node_id]: r for r in replies if r.metadata.src_node_id in by_node}
+    replies = list(grid.send_and_receive(list(messages.values()), timeout=timeout))
+    by_id = {m.metadata.message_id: e for e, m in messages.items()}  # ids are set when pushed
+    return {by_id[r.metadata.reply_to_message_id]: r for r in replies if r.metadata.reply_to_message_id in by_id}
 
 
 def _sync_message(co: Coordinator, e: Edge, s: ServeSettings) -> Message:

@@ -31,13 +31,9 @@ def held_files(path: Path) -> dict[str, str]:
         return {}
 
 
-def files_to_ship(bundle: Bundle, held: dict[str, str]) -> dict[str, bytes]:
+def files_to_ship(bundle: Bundle, held: dict[str, str]) -> list[str]:
     """The bundle's files whose content the edge does not hold."""
-    return {
-        rel: (bundle.path / rel).read_bytes()
-        for rel, digest in bundle.manifest["files"].items()
-        if held.get(rel) != digest
-    }
+    return [rel for rel, digest in bundle.manifest["files"].items() if held.get(rel) != digest]
 
 
 def install_bundle(target: Path, manifest_raw: bytes, files: dict[str, bytes]) -> Bundle:
@@ -57,7 +53,7 @@ def install_bundle(target: Path, manifest_raw: bytes, files: dict[str, bytes]) -
             if rel in files:
                 write_bytes(dst, files[rel])
             elif held.get(rel) == digest:
-                os.link(target / rel, dst)
+                _link_held(target, rel, dst)
             else:
                 raise BundleError(f"{rel}: neither sent by the cloud nor held in {target}")
         write_bytes(staging / MANIFEST, manifest_raw)
@@ -70,6 +66,14 @@ def install_bundle(target: Path, manifest_raw: bytes, files: dict[str, bytes]) -
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Bundle(target, bundle.manifest, bundle.bundle_id)
+
+
+def _link_held(target: Path, rel: str, dst: Path) -> None:
+    try:
+        os.link(target / rel, dst)
+    except OSError as err:  # listed by the local manifest but gone: the copy cannot be trusted
+        shutil.rmtree(target, ignore_errors=True)
+        raise BundleError(f"{target / rel}: held file unreadable ({err.strerror}); the next round ships all") from None
 
 
 def _safe(rel: str) -> PurePosixPath:

@@ -9,6 +9,7 @@ always equals the cloud's copy, whatever was killed when.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ class EdgeConfig:
         items = {"state": str(self.state), "data": str(self.data), "profile": self.profile, "codec": self.codec}
         if self.key is not None:
             items["key"] = str(self.key)
-        return " ".join(f'{k}="{v}"' for k, v in items.items())
+        return " ".join(f"{k}={json.dumps(v)}" for k, v in items.items())  # TOML basic strings
 
     @classmethod
     def from_node_config(cls, cfg: Mapping) -> EdgeConfig:
@@ -70,7 +71,7 @@ def settle(state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int)
             f"but the cloud knows this node as {client_id!r}"
         )
     pending = ClientState.load(state_dir / PENDING)
-    if pending is not None and consensus_digest(pending.c_i) == cloud_digest:
+    if pending is not None and cloud_round > pending.round and consensus_digest(pending.c_i) == cloud_digest:
         pending.save(state_dir)  # the cloud aggregated our last packet: commit it
         committed, pending = pending, None
     if pending is None or cloud_round > pending.round:
@@ -86,12 +87,8 @@ def settle(state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int)
 
 def sync(cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int) -> dict:
     """Answer a round's opening: settle the last round, say which profile and bundle files we hold."""
-    state = settle(cfg.state, client_id, cloud_digest, cloud_round)
-    return {
-        "profile": cfg.profile,
-        "round": state.round if state is not None else -1,
-        "held": held_files(cfg.state / BUNDLE),
-    }
+    settle(cfg.state, client_id, cloud_digest, cloud_round)
+    return {"profile": cfg.profile, "held": held_files(cfg.state / BUNDLE)}
 
 
 def train(

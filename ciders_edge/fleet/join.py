@@ -23,7 +23,7 @@ from ..progress import console, status
 from .edge import EdgeConfig
 from .keys import ensure_node_key
 
-__all__ = ["join", "flower_tool"]
+__all__ = ["join", "flower_tool", "flower_env", "stop_on_sigterm"]
 
 NOT_ADMITTED = 305  # flower-supernode: the SuperLink refused to activate this node
 EXIT_CODE = re.compile(r"Exit Code: (\d+)")
@@ -36,7 +36,6 @@ def join(
     profile: str = "auto",
     *,
     root_certificates: Path | None = None,
-    insecure: bool = False,
     codec: str = "fp32",
     key: Path | None = None,
     admit_wait: float = 60.0,
@@ -46,11 +45,9 @@ def join(
     address = _address(server)
     if not data.is_file():
         raise ConfigError(f"{data}: no such data file")
-    if root_certificates is None and not insecure:
-        raise ConfigError(
-            "--root-certificates CA.crt is required (the cloud's ca.crt), or --insecure on a closed test network"
-        )
-    if root_certificates is not None and not root_certificates.is_file():
+    if root_certificates is None:
+        raise ConfigError("--root-certificates CA.crt is required: the cloud's ca.crt (from `ciders-cloud certs`)")
+    if not root_certificates.is_file():
         raise ConfigError(f"{root_certificates}: no such CA certificate file")
     if key is not None and not key.is_file():
         raise ConfigError(f"{key}: no such key file")
@@ -61,8 +58,9 @@ def join(
     cmd = [flower_tool("flower-supernode"), "--superlink", server]
     cmd += ["--auth-supernode-private-key", str(private.resolve())]
     cmd += ["--node-config", cfg.to_node_config(), "--port", str(_free_port())]
-    cmd += ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
-    env = {**os.environ, "FLWR_HOME": str((state / "flwr").resolve())}
+    cmd += ["--root-certificates", str(root_certificates)]
+    env = flower_env(state / "flwr")
+    stop_on_sigterm()
     console.print(f"joining {server} as this device's SuperNode (profile {name}); node key {public}", soft_wrap=True)
     _wait_for_server(address, server)
     deadline = time.monotonic() + admit_wait
@@ -80,7 +78,7 @@ def join(
         )
     if code != 0:
         raise StateError(f"the SuperNode exited with code {flower_code or code}")
-    return {"server": server, "state": str(state), "profile": name, "exit_code": code}
+    return {"server": server, "state": str(state), "profile": name}
 
 
 def _run_supernode(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
@@ -100,9 +98,12 @@ def _run_supernode(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None
     reader.start()
     try:
         code = proc.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see ``stop_on_sigterm``): stop the SuperNode too
         proc.send_signal(signal.SIGINT)
-        proc.wait()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         raise
     reader.join(timeout=2.0)
     return code, codes[-1] if codes else None
@@ -125,6 +126,23 @@ def _wait_for_server(address: tuple[str, int], server: str) -> None:
                 return
             except OSError:
                 time.sleep(2.0)
+
+
+def flower_env(home: Path) -> dict[str, str]:
+    """The environment for Flower's programs: its home, and this environment's ``bin`` first on
+    PATH, since they start their helpers (``flwr-clientapp``, ...) by bare name."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "FLWR_HOME": str(home.resolve()), "PATH": path}
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (systemd, docker stop, kill) into KeyboardInterrupt, so the Flower processes we
+    started are stopped on the way out instead of left running."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def flower_tool(name: str) -> str:

@@ -28,8 +28,9 @@ def ensure_node_key(state_dir: Path) -> tuple[Path, Path]:
         pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
         )
-        write_bytes(private, pem)
-        private.chmod(0o600)
+        write_bytes(private, pem, mode=0o600)
+    if not public.is_file():
+        key = serialization.load_ssh_private_key(private.read_bytes(), None)
         line = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
         write_bytes(public, line + b"\n")
     return private, public
