@@ -73,3 +73,47 @@ def write_results(name: str, payload: dict, table: list[list[str]], header: list
     path = RESULTS / f"{name}.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def data_dir(sub: str) -> Path:
+    """A folder of ``../shared/data``; exits with a clear line when this machine lacks it."""
+    path = DATA / sub
+    if not path.exists():
+        sys.exit(f"{path}: not there (see ../shared/data/README.md); this benchmark needs the real data")
+    return path
+
+
+def run_simulate(cfg, out: Path) -> tuple[dict, list[dict]]:
+    """One ``simulate`` run (the CLIs' code), and its metrics records."""
+    from ciders_cloud.simulate import simulate
+    from ciders_edge.cli_utils import quiet_libraries
+
+    quiet_libraries()
+    summary = simulate(cfg, out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def domain_study(domains: tuple[str, ...], **overrides):
+    """A ``simulate`` config with one five_domain domain per client: it trains on the domain's
+    ``train.jsonl`` and is scored on its ``eval.jsonl``; SmolLM2, messenger depth 6, drop 0.2,
+    evaluated after the last round only."""
+    from ciders_cloud.simulate import SimConfig
+
+    five = data_dir("five_domain")
+    base = {
+        "model": "smollm2-135m",
+        "data": [str(five / d / "train.jsonl") for d in domains],
+        "eval_data": [str(five / d / "eval.jsonl") for d in domains],
+        "partition": "per-file",
+        "clients": len(domains),
+        "eval_examples": 16,
+        "eval_generate": 0,
+        "messenger_depth": 6,
+        "drop_ratio": 0.2,
+    }
+    base["eval_every"] = overrides.get("rounds", 1)
+    return SimConfig(**{**base, **overrides})

@@ -1,0 +1,119 @@
+"""Protocol B analog (paper §VI-E): one domain per client, every algorithm on the same seeds.
+
+    python benchmarks/protocol_b.py --rounds 3 --local-steps 5 --out runs/protocol-b
+
+Five clients = ``../shared/data/five_domain/{medical,finance,customer_support,code,general}``:
+each trains on its domain's ``train.jsonl``, is scored on its ``eval.jsonl``; TAKD uses the five
+``public.jsonl`` files together. SmolLM2-135M, messenger depth 6, drop ratio 0.2. Each algorithm
+is one ``simulate`` run (the same code as the CLIs); the table holds the last round's 5x5
+response-NLL matrix (rows: a client's personalized messenger, columns: the domain scored), the
+mean matched-domain NLL (its diagonal) and Delta_cross (off-diagonal mean minus diagonal mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import data_dir, domain_study, run_simulate, write_results  # noqa: E402
+
+DOMAINS = ("medical", "finance", "customer_support", "code", "general")
+ALGORITHMS = ("ciders-fo", "ciders-fd", "fedbiot", "fedot", "localot", "fedavg")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/protocol-b"))
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--local-steps", type=int, default=5)
+    ap.add_argument("--max-records", type=int, default=200, help="training records per client")
+    ap.add_argument("--eval-examples", type=int, default=24)
+    ap.add_argument("--align-steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    data = data_dir("five_domain")
+    from ciders_edge.atomic import write_bytes
+
+    public = args.out / "public.jsonl"  # the five domains' public splits, together
+    if not public.is_file():
+        write_bytes(public, b"".join((data / d / "public.jsonl").read_bytes() for d in DOMAINS))
+    results = {}
+    for alg in args.algorithms.split(","):
+        cfg = domain_study(
+            DOMAINS,
+            rounds=args.rounds,
+            local_steps=args.local_steps,
+            algorithm=alg,
+            seed=args.seed,
+            eval_examples=args.eval_examples,
+            max_records=args.max_records,
+            public_data=str(public),
+            align_steps=args.align_steps,
+        )
+        out = args.out / alg
+        if _done(out):  # resumable: a finished algorithm is read back, not run again
+            print(f"{alg}: already done in {out}", flush=True)
+            rows = _metrics(out)
+        else:
+            shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts over
+            _, rows = run_simulate(cfg, out)
+        cross = [r for r in rows if r["type"] == "cross"][-1]
+        matrix = cross["matrix"]
+        results[alg] = {
+            "matrix": matrix,
+            "matched_nll": sum(matrix[i][i] for i in range(len(matrix))) / len(matrix),
+            "delta_cross": cross["delta_cross"],
+            "mean_nll_global": _mean_global(rows),
+            "bytes_up_per_round": sum(r["bytes_up"] for r in rows if r["type"] == "round") / args.rounds,
+            "round_wall_s": sum(r["wall_s"] for r in rows if r["type"] == "round"),
+        }
+        print(f"{alg}: matched NLL {results[alg]['matched_nll']:.4f}, Δcross {cross['delta_cross']:.4f}", flush=True)
+    _write(args, results)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _done(out: Path) -> bool:
+    return (out / "metrics.jsonl").is_file() and any(r["type"] == "cross" for r in _metrics(out))
+
+
+def _mean_global(rows: list[dict]) -> float:
+    last = max(r["round"] for r in rows if r["type"] == "eval")
+    evals = [r["nll_global"] for r in rows if r["type"] == "eval" and r["round"] == last]
+    return sum(evals) / len(evals)
+
+
+def _write(args, results: dict) -> None:
+    header = ["algorithm", "matched-domain NLL", "Δcross", "global NLL", "bytes up / round", "rounds' wall s"]
+    table = [
+        [
+            a,
+            f"{r['matched_nll']:.4f}",
+            f"{r['delta_cross']:.4f}",
+            f"{r['mean_nll_global']:.4f}",
+            f"{r['bytes_up_per_round']:,.0f}",
+            f"{r['round_wall_s']:.0f}",
+        ]
+        for a, r in sorted(results.items(), key=lambda kv: kv[1]["matched_nll"])
+    ]
+    notes = ["5x5 response-NLL matrices (row: client's personalized messenger; column: domain scored):", ""]
+    for a, r in results.items():
+        notes += [f"**{a}**", "", "| | " + " | ".join(DOMAINS) + " |", "|---" * (len(DOMAINS) + 1) + "|"]
+        notes += [
+            f"| {d} | " + " | ".join(f"{x:.3f}" for x in row) + " |"
+            for d, row in zip(DOMAINS, r["matrix"], strict=True)
+        ]
+        notes.append("")
+    payload = {"domains": DOMAINS, "rounds": args.rounds, "local_steps": args.local_steps, "results": results}
+    write_results("protocol_b", payload, table, header, "\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()
