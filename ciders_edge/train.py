@@ -176,7 +176,6 @@ def train_bundle(
     decide where the packet and the state go: files for ``ciders-edge train``, the network for a fleet)."""
     prof = load_profile(profile) if profile else None
     hp = round_hyperparams(b, prof, overrides or {})
-    check_state(state, b)
     edge = load_edge_model(b, prof.torch_dtype if prof else None)
     edge.model.to(pick_device(prof))
     examples = load_examples(data, edge.tokenizer, hp.seq_len)
