@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import data_dir, domain_study, run_simulate, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
-ALGORITHMS = ("ciders-fo", "ciders-fd", "fedbiot", "fedot", "localot", "fedavg")
+ALGORITHMS = ("ciders-fo", "ciders-fd", "fedbiot", "fedot", "localot", "fedavg", "fednest", "lfednest")
 
 
 def main() -> None:

@@ -14,13 +14,18 @@ from ciders_edge.update import (
     reconstruct_displacement,  # eq. (11), shared with the edge
 )
 
-__all__ = ["reconstruct_displacement", "participation_weights", "aggregate"]
+__all__ = ["reconstruct_displacement", "participation_weights", "weighted_sum", "aggregate"]
 
 
 def participation_weights(num_examples: Sequence[int]) -> list[float]:
     """``p_i = |D_i| / sum_j |D_j|`` over this round's participants."""
     total = float(sum(num_examples))
     return [n / total for n in num_examples]
+
+
+def weighted_sum(items: Sequence[Tensors], weights: Sequence[float], like: Tensors) -> Tensors:
+    """``sum_i p_i t_i`` over the tensors named in ``like``."""
+    return {k: sum(p * t[k] for p, t in zip(weights, items, strict=True)) for k in like}
 
 
 def aggregate(
@@ -34,7 +39,7 @@ def aggregate(
     alpha: float,
 ) -> tuple[Tensors, Tensors]:
     """Eq. (12): ``v <- v - tau K eta sum p_i Delta_i`` and ``c <- (1 - alpha) c + alpha sum p_i Delta_i``."""
-    mean = {k: sum(p * d[k] for p, d in zip(weights, deltas, strict=False)) for k in v}
+    mean = weighted_sum(deltas, weights, v)
     v_new = add(v, mean, -tau * local_steps * eta)
     c_new = {k: (1.0 - alpha) * c[k] + alpha * mean[k] for k in c}
     return v_new, c_new

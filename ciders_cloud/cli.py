@@ -24,6 +24,7 @@ from .rounds import aggregate_files
 from .settings import merge_config
 from .simulate import SimConfig
 from .simulate import simulate as simulate_run
+from .strategies import STRATEGIES
 
 app = typer.Typer(
     help="CIDERS cloud: prepare models, distill, ship AdapEmu bundles.",
@@ -130,9 +131,7 @@ def simulate(
     clients: Annotated[int | None, typer.Option(help="Number of simulated edges.")] = None,
     rounds: Annotated[int | None, typer.Option(help="Rounds to run.")] = None,
     local_steps: Annotated[int | None, typer.Option(help="K local steps per round.")] = None,
-    algorithm: Annotated[
-        str | None, typer.Option(help="ciders-fo, ciders-fd, fedavg, scaffold, fedot, fedbiot, localot.")
-    ] = None,
+    algorithm: Annotated[str | None, typer.Option(help=", ".join(STRATEGIES) + ".")] = None,
     partition: Annotated[
         str | None, typer.Option(help="iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file.")
     ] = None,

@@ -15,16 +15,19 @@ from pathlib import Path
 
 import torch
 
+from ciders_edge.atomic import write_safetensors
 from ciders_edge.bundle import Bundle
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.data import load_examples
 from ciders_edge.errors import PacketError
+from ciders_edge.local import mean_lr_multiplier
 from ciders_edge.packet import Packet
 from ciders_edge.profiles import load_profile
-from ciders_edge.train import read_key
+from ciders_edge.train import PROBE_KIND, read_key
 from ciders_edge.update import Tensors, add, norm
 
-from .aggregation import participation_weights, reconstruct_displacement
+from .aggregation import participation_weights, reconstruct_displacement, weighted_sum
+from .bilevel import cloud_indirect_term
 from .config import RunConfig
 from .models import build_cloud_models
 from .prepare import DISTILL_LOG, STATE_DIR, append_log, bundle_path, load_run, write_bundles
@@ -32,9 +35,18 @@ from .state import ServerState
 from .strategies import get_strategy, round_hyperparams_for
 from .takd import Distiller
 
-__all__ = ["aggregate_packets", "aggregate_files", "check_packets", "round_hyperparams_for", "KEYS_DIR"]
+__all__ = [
+    "aggregate_packets",
+    "aggregate_files",
+    "check_packets",
+    "hypergradient_packets",
+    "hypergradient_path",
+    "round_hyperparams_for",
+    "KEYS_DIR",
+]
 
 KEYS_DIR = "keys"
+HYPERGRADIENTS = "hypergradients"
 CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -61,10 +73,18 @@ def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received
 
 
 def check_packets(
-    received: list[Received], state: ServerState, run: RunConfig, bundle_ids: set[str], hp: RoundHyperparams
+    received: list[Received],
+    state: ServerState,
+    run: RunConfig,
+    bundle_ids: set[str],
+    hp: RoundHyperparams,
+    expected: Tensors | None = None,
 ) -> None:
     """Refuse the whole round if any packet is for another round or bundle, from an unknown or
-    repeated client, of the wrong shapes, or not finite."""
+    repeated client, of the wrong shapes, or not finite. ``expected`` names the tensors a packet
+    must hold (default: the messenger LoRA's; LFedNest adds the backbone's grad_y f_i)."""
+    if expected is None:
+        expected = {**state.messenger, **(state.backbone if hp.send_grad_y else {})}
     seen: set[str] = set()
     for r in received:
         p, where = r.packet, r.where
@@ -84,13 +104,13 @@ def check_packets(
         if p.client_id in seen:
             raise PacketError(f"{where}: a second packet from client {p.client_id!r} in round {state.round}")
         seen.add(p.client_id)
-        for name, ref in state.messenger.items():
+        for name, ref in expected.items():
             got = p.tensors.get(name)
             if got is None or got.shape != ref.shape:
                 shape = None if got is None else tuple(got.shape)
                 raise PacketError(f"{where}: tensor {name} has shape {shape}, expected {tuple(ref.shape)}")
-        if set(p.tensors) != set(state.messenger):
-            raise PacketError(f"{where}: unexpected tensors {sorted(set(p.tensors) - set(state.messenger))[:2]}")
+        if set(p.tensors) != set(expected):
+            raise PacketError(f"{where}: unexpected tensors {sorted(set(p.tensors) - set(expected))[:2]}")
         if p.num_examples <= 0:
             raise PacketError(f"{where}: |D_i| must be positive, got {p.num_examples}")
         p.check_finite(where)
@@ -123,8 +143,13 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     strategy = get_strategy(run.algorithm)
     deltas, new_clients = _reconstruct(received, state, hp)  # (11)
     weights = participation_weights([r.packet.num_examples for r in received])
-    v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12)
     models = build_cloud_models(run, state)
+    bilevel = {}
+    if hp.send_grad_y:  # LFedNest: the hypergradient's indirect term, at the round's (x, y)
+        grad_y = weighted_sum([r.packet.tensors for r in received], weights, state.backbone)
+        q, bilevel = cloud_indirect_term(models, run, state, hp, grad_y)
+        deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]  # as if added to every local step
+    v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12)
     models.load_messenger(v)
     records, optimizer, takd_step = _distill(models, run, state, *strategy.takd(hp))  # (13)
 
@@ -140,6 +165,7 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         "c_norm": norm(c),
         "takd_steps": len(records),
         "takd_last": records[-1] if records else None,
+        **bilevel,
     }
     new = ServerState(
         state.round + 1,
@@ -162,14 +188,53 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     return summary
 
 
+def hypergradient_path(run_dir: Path, round_: int) -> Path:
+    return run_dir / HYPERGRADIENTS / f"round-{round_:04d}.safetensors"
+
+
+def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
+    """FedNest's cloud step between a round's two exchanges: the global hypergradient
+    ``h = sum p_i grad_x f_i - grad_xy g [grad_yy g]^-1 sum p_i grad_y f_i`` from the probe
+    packets, written for the edges' svrg steps; the server state does not change."""
+    run = load_run(run_dir)
+    state = ServerState.load(run_dir / STATE_DIR)
+    received = read_packets(run_dir, items)
+    if not received:
+        raise PacketError("no probe packets given; FedNest's hypergradient needs at least one")
+    for r in received:
+        if r.packet.metrics.get("kind") != PROBE_KIND:
+            raise PacketError(f"{r.where}: not a probe packet (FedNest's first exchange sends gradients)")
+    bundle_ids = {Bundle.load(bundle_path(run_dir, p, state.round)).bundle_id for p in run.profiles}
+    hp = round_hyperparams_for(run, state.round)
+    check_packets(received, state, run, bundle_ids, hp, expected={**state.messenger, **state.backbone})
+    weights = participation_weights([r.packet.num_examples for r in received])
+    grads = [r.packet.tensors for r in received]
+    grad_x = weighted_sum(grads, weights, state.messenger)
+    grad_y = weighted_sum(grads, weights, state.backbone)
+    q, info = cloud_indirect_term(build_cloud_models(run, state), run, state, hp, grad_y)
+    h = add(grad_x, q)
+    path = hypergradient_path(run_dir, state.round)
+    write_safetensors(path, h, {"round": str(state.round)})
+    return {
+        "round": state.round,
+        "path": str(path),
+        "bytes_up": {r.packet.client_id: r.size for r in received},
+        "bytes_down": path.stat().st_size,
+        "grad_x_norm": norm(grad_x),
+        "hypergradient_norm": norm(h),
+        **info,
+    }
+
+
 def _reconstruct(received: list[Received], state: ServerState, hp) -> tuple[list[Tensors], dict[str, Tensors]]:
     """Eq. (11) for every packet, and the server's copies of c_i advanced by the decoded increments."""
     deltas, clients = [], dict(state.clients)
     zero = {k: torch.zeros_like(t) for k, t in state.messenger.items()}
     for r in received:
         c_i = state.clients.get(r.packet.client_id, zero)
-        deltas.append(reconstruct_displacement(r.packet.tensors, c_i, state.consensus, hp.alpha, hp.gamma))
-        clients[r.packet.client_id] = add(c_i, r.packet.tensors)
+        dc = {k: r.packet.tensors[k] for k in zero}  # LFedNest's packets also hold grad_y f_i
+        deltas.append(reconstruct_displacement(dc, c_i, state.consensus, hp.alpha, hp.gamma))
+        clients[r.packet.client_id] = add(c_i, dc)
     return deltas, clients
 
 

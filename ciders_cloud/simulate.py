@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safetensors.torch import load_file
+
 from ciders_edge.atomic import write_bytes
 from ciders_edge.bundle import Bundle
 from ciders_edge.config import ConfigMixin, RoundHyperparams
@@ -21,14 +23,14 @@ from ciders_edge.data import read_jsonl
 from ciders_edge.errors import ConfigError
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
-from ciders_edge.train import train_files
+from ciders_edge.train import probe_files, train_files
 
 from .config import RunConfig, TakdConfig
 from .diagnostics import client_diagnostics
 from .evaluation import evaluate_round
 from .partition import partition
 from .prepare import bundle_path, load_run, prepare
-from .rounds import aggregate_files
+from .rounds import aggregate_files, hypergradient_packets
 from .strategies import get_strategy, round_hyperparams_for
 
 __all__ = ["SimConfig", "simulate", "prepare_study", "METRICS"]
@@ -95,6 +97,7 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
         started = time.perf_counter()
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
         bundle = bundle_path(run_dir, cfg.profile, t)
+        probe = _probe(run_dir, out, t, bundle, participants, cfg) if strategy.probes else {}
         packets, outputs, summaries = [], {}, {}
         for cid in participants:
             console.print(f"[bold]round {t}[/] {cid} ({strategy.name})")
@@ -107,6 +110,7 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
                 profile=cfg.profile,
                 codec=cfg.codec,
                 client_id=cid,
+                hypergradient=probe.get("h"),
             )
             packets.append(packet)
         agg = aggregate_files(run_dir, packets)
@@ -117,8 +121,11 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
             deltas, {c: o.result.first_direction for c, o in outputs.items()}, weights, t, hp.gamma, hp.alpha
         )
         wall = time.perf_counter() - started
-        records = [_client_record(t, cid, hp, summaries[cid], diag[cid], down) for cid in participants]
-        down = agg["bytes_down"][cfg.profile]  # what each client fetches for the next round
+        probe_up, probe_down = probe.get("bytes_up", {}), probe.get("bytes_down", 0)
+        records = [
+            _client_record(t, cid, hp, summaries[cid], diag[cid], down + probe_down, probe_up.get(cid, 0))
+            for cid in participants
+        ]
         records.append(
             {
                 "type": "round",
@@ -130,10 +137,12 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
                 "c_norm": agg["c_norm"],
                 "gamma": hp.gamma,
                 "takd_last": agg["takd_last"],
-                "bytes_up": sum(agg["bytes_up"].values()),
-                "bytes_down": agg["bytes_down"][cfg.profile],
+                "bytes_up": sum(agg["bytes_up"].values()) + sum(probe_up.values()),
+                "bytes_down": down + probe_down,  # per client, this round
+                **{k: v for k, v in {**probe, **agg}.items() if k.startswith(("neumann", "ihgp", "indirect", "hvp"))},
             }
         )
+        down = agg["bytes_down"][cfg.profile]  # what each client fetches for the next round
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
             last_eval = evaluate_round(bundle_path(run_dir, cfg.profile, t + 1), out, ids, domains, cfg)
             records += last_eval["records"]
@@ -162,7 +171,22 @@ def prepare_study(cfg: SimConfig, out: Path) -> tuple[Path, list[str], dict[str,
     return out / "run", ids, domains
 
 
-def _client_record(t: int, cid: str, hp: RoundHyperparams, s: dict, diag: dict, bytes_down: int) -> dict:
+def _probe(run_dir: Path, out: Path, t: int, bundle: Path, ids: list[str], cfg: SimConfig) -> dict:
+    """FedNest's first exchange: every client's gradient packet, then the cloud's hypergradient h."""
+    paths = []
+    for cid in ids:
+        console.print(f"[bold]round {t}[/] {cid} probe")
+        path = out / "packets" / f"round-{t:04d}" / f"{cid}.probe.pkt"
+        data, state = out / "data" / cid / "train.jsonl", out / "clients" / cid
+        probe_files(bundle, data, state, path, client_id=cid, profile=cfg.profile)
+        paths.append(path)
+    summary = hypergradient_packets(run_dir, [(str(p), p.read_bytes()) for p in paths])
+    return {**summary, "h": load_file(summary["path"])}
+
+
+def _client_record(
+    t: int, cid: str, hp: RoundHyperparams, s: dict, diag: dict, bytes_down: int, probe_bytes: int = 0
+) -> dict:
     return {
         "type": "client",
         "round": t,
@@ -173,7 +197,7 @@ def _client_record(t: int, cid: str, hp: RoundHyperparams, s: dict, diag: dict, 
         "dc_norm": s["dc_norm"],
         "c_i_norm": s["c_i_norm"],
         "r_fd": s["r_fd"],
-        "bytes_up": s["packet_bytes"],
+        "bytes_up": s["packet_bytes"] + probe_bytes,
         "raw_bytes": s["raw_bytes"],
         "bytes_down": bytes_down,
         **diag,

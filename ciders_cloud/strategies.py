@@ -25,6 +25,7 @@ class Strategy:
     """CIDERS with first-order look-ahead: the reference behaviour the baselines vary."""
 
     name: str = "ciders-fo"
+    probes: bool = False  # a first exchange of gradients before training (FedNest)
 
     def round_hyperparams(self, hp: RoundHyperparams, round_: int, schedule: str) -> RoundHyperparams:
         """What edges run in ``round_``; ``schedule='protocol-c'`` applies the paper's gamma_t."""
@@ -108,8 +109,39 @@ class LocalOT(FedAvg):
         return v, c
 
 
+@dataclass(frozen=True)
+class FedNest(FedAvg):
+    """FedNest on the messenger (outer x) / backbone (inner y, TAKD) bilevel problem. Each round:
+    edges send grad_x f_i, grad_y f_i at (x, y); the cloud forms the global hypergradient h with
+    FedIHGP's Neumann series; edges take svrg steps ``grad f_i(x_i,nu) - grad f_i(x) + h``; the
+    cloud averages (tau = 1) and runs T_L TAKD steps on y (FedInn: the inner problem is the cloud's)."""
+
+    name: str = "fednest"
+    probes: bool = True
+
+    def round_hyperparams(self, hp, round_, schedule):
+        return super().round_hyperparams(hp, round_, schedule).replace(solver="svrg")
+
+    def takd(self, hp):
+        return hp.takd_steps, None
+
+
+@dataclass(frozen=True)
+class LFedNest(FedNest):
+    """LFedNest: one exchange per round. Edges take plain local steps and append grad_y f_i at
+    (x, y) to their packet; the cloud adds the indirect term -grad_xy g p_N to every displacement
+    (the inner problem's Hessian is the cloud's, so computing it there costs no communication)."""
+
+    name: str = "lfednest"
+    probes: bool = False
+
+    def round_hyperparams(self, hp, round_, schedule):
+        return FedAvg.round_hyperparams(self, hp, round_, schedule).replace(send_grad_y=True)
+
+
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (Strategy(), CidersFD(), FedAvg(), Scaffold(), FedOT(), FedBiOT(), LocalOT())
+    s.name: s
+    for s in (Strategy(), CidersFD(), FedAvg(), Scaffold(), FedOT(), FedBiOT(), LocalOT(), FedNest(), LFedNest())
 }
 
 

@@ -22,7 +22,7 @@ from .config import TakdConfig
 from .models import CloudModels
 from .state import optimizer_from_tensors, optimizer_to_tensors
 
-__all__ = ["takd_loss", "Distiller"]
+__all__ = ["takd_loss", "takd_terms", "Distiller"]
 
 
 def takd_loss(
@@ -55,6 +55,21 @@ def takd_loss(
     return {"loss": loss, "hidden_mse": hidden_mse, "kl": kl, "ce": ce}
 
 
+def takd_terms(models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -> dict[str, Tensor]:
+    """Eq. (2) on one batch, differentiable in whichever LoRA requires grad (the teacher's
+    messenger is the AdapEmu's, so the loss depends on the messenger LoRA through both sides)."""
+    m, split = models, models.split
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    valid = torch.nonzero(mask[:, :-1].bool(), as_tuple=True)  # tokens that predict a next one
+    targets = batch["labels"][:, 1:][valid]
+    with torch.no_grad():  # the frozen full backbone B_F
+        h_full, ctx_full = backbone_hidden(m.teacher, ids, mask, split.n - split.a)
+    logits_t = messenger_logits(m.emu, h_full, ctx_full, split.n_kept, valid)  # AdapFu
+    h_emu, ctx = backbone_hidden(m.emu, ids, mask, split.n_kept)
+    logits_s = messenger_logits(m.emu, h_emu, ctx, split.n_kept, valid)  # AdapEmu
+    return takd_loss(h_emu[valid], h_full[valid], logits_s, logits_t, targets, cfg.lambda_out, cfg.lambda_task)
+
+
 class Distiller:
     """Warm-startable TAKD: the step counter drives the data order, so a resumed run continues it."""
 
@@ -77,20 +92,9 @@ class Distiller:
         )
 
     def step(self) -> dict[str, float]:
-        m, split = self.models, self.models.split
-        batch = next(self.batches)
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        valid = torch.nonzero(mask[:, :-1].bool(), as_tuple=True)  # tokens that predict a next one
-        targets = batch["labels"][:, 1:][valid]
-        set_trainable(m.emu, BACKBONE)
-        with torch.no_grad():  # teacher: AdapFu = messenger(v) on the full backbone
-            h_full, ctx = backbone_hidden(m.teacher, ids, mask, split.n - split.a)
-            logits_t = messenger_logits(m.emu, h_full, ctx, split.n_kept, valid)
-        h_emu, ctx = backbone_hidden(m.emu, ids, mask, split.n_kept)
-        logits_s = messenger_logits(m.emu, h_emu, ctx, split.n_kept, valid)
-        terms = takd_loss(
-            h_emu[valid], h_full[valid], logits_s, logits_t, targets, self.cfg.lambda_out, self.cfg.lambda_task
-        )
+        m = self.models
+        set_trainable(m.emu, BACKBONE)  # the messenger (and so the teacher's logits) has no graph
+        terms = takd_terms(m, next(self.batches), self.cfg)
         self.optimizer.zero_grad(set_to_none=True)
         terms["loss"].backward()
         if self.cfg.clip > 0:

@@ -53,7 +53,7 @@ class RoundHyperparams(ConfigMixin):
     grad_accum: int = 1
     batch_size: int = 2
     seq_len: int = 256
-    solver: str = "fo"  # fo | fd
+    solver: str = "fo"  # fo | fd | svrg (FedNest's variance-reduced outer steps)
     gamma: float = 0.01  # consensus-correction weight gamma_t for this round
     alpha: float = 0.002  # consensus EMA rate alpha_c
     eps_prox: float = 0.01
@@ -62,6 +62,12 @@ class RoundHyperparams(ConfigMixin):
     tau: float = 0.02  # server step on the aggregated displacement
     takd_steps: int = 5  # T_L warm-started TAKD steps per round on the cloud
     start_from: str = "global"  # x_0: the global messenger v, or this client's own (local-only baselines)
+    # FedNest / LFedNest (DESIGN's bilevel problem: x = messenger LoRA, y = backbone LoRA, g = TAKD)
+    send_grad_y: bool = False  # LFedNest: the packet also carries grad_y f_i at the bundle's point
+    probe_batches: int = 4  # FedNest: batches behind a client's grad f_i(x) for the global hypergradient
+    neumann_terms: int = 5  # N: terms of the Neumann series for [grad_yy g]^-1 grad_y f
+    neumann_l: float = 0.0  # l: the series' step is 1/l; 0 estimates l from grad_yy g's top eigenvalue
+    hvp: str = "auto"  # autograd | fd | auto (autograd double-backward, central differences if it fails)
 
     def __post_init__(self) -> None:
         for name in ("local_steps", "grad_accum", "batch_size", "seq_len"):
@@ -73,13 +79,18 @@ class RoundHyperparams(ConfigMixin):
             raise ConfigError(f"`optimizer` must be adamw or sgd, got {self.optimizer!r}.")
         if self.start_from not in ("global", "personalized"):
             raise ConfigError(f"`start_from` must be global or personalized, got {self.start_from!r}.")
-        if self.solver not in ("fo", "fd"):
-            raise ConfigError(f"`solver` must be fo or fd, got {self.solver!r}.")
+        if self.solver not in ("fo", "fd", "svrg"):
+            raise ConfigError(f"`solver` must be fo, fd or svrg, got {self.solver!r}.")
+        if self.hvp not in ("auto", "autograd", "fd"):
+            raise ConfigError(f"`hvp` must be auto, autograd or fd, got {self.hvp!r}.")
+        if self.neumann_terms < 1 or self.probe_batches < 1:
+            raise ConfigError("`neumann_terms` and `probe_batches` must be at least 1.")
         if not 0.0 < self.alpha <= 1.0:
             raise ConfigError(f"`alpha` must be in (0, 1], got {self.alpha}.")
         if self.eps_fd <= 0:
             raise ConfigError(f"`eps_fd` must be positive, got {self.eps_fd}.")
-        for name in ("gamma", "eps_prox", "tau", "weight_decay", "clip", "eta_hvp", "warmup_steps", "takd_steps"):
+        nonnegative = ("gamma", "eps_prox", "tau", "weight_decay", "clip", "eta_hvp", "warmup_steps", "takd_steps")
+        for name in (*nonnegative, "neumann_l"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must not be negative, got {getattr(self, name)}.")
 

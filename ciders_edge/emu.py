@@ -28,8 +28,9 @@ class EdgeModel:
     bundle: Bundle
 
 
-def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None) -> EdgeModel:
-    """Build the AdapEmu of ``bundle``: the backbone LoRA is merged (it is frozen on the edge)."""
+def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None, live_backbone: bool = False) -> EdgeModel:
+    """Build the AdapEmu of ``bundle``: the backbone LoRA is merged (it is frozen on the edge), or
+    kept as a second adapter when the edge must differentiate through it (FedNest's grad_y f_i)."""
     m = bundle.manifest
     split = SplitSpec.from_dict(m["split"])
     dtype = dtype or DTYPES[m["dtype"]]
@@ -45,8 +46,12 @@ def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None) -> EdgeMod
         )
     base.tie_weights()
     base.generation_config = GenerationConfig.from_pretrained(bundle.path)
-    base = _merge_backbone_lora(base, bundle, split)
-    model = attach_lora(base, split, LoraSettings.from_dict(m["lora"]))
+    if live_backbone:  # no dropout: the same function as the merged backbone
+        frozen = LoraSettings.from_dict(m["backbone_lora"]).replace(dropout=0.0)
+        model = attach_lora(base, split, LoraSettings.from_dict(m["lora"]), frozen)
+        load_lora_state(model, bundle.backbone_lora(), BACKBONE)
+    else:
+        model = attach_lora(_merge_backbone_lora(base, bundle, split), split, LoraSettings.from_dict(m["lora"]))
     load_lora_state(model, {k: v.float() for k, v in bundle.messenger_lora().items()}, MESSENGER)
     tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)
     return EdgeModel(model.eval(), split, tok, bundle)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .config import RoundHyperparams
+from .errors import ConfigError
 from .update import (
     Tensors,
     add,
@@ -28,7 +29,7 @@ from .update import (
     trajectory_gradient,
 )
 
-__all__ = ["Objective", "LocalResult", "local_update", "warmup_cosine"]
+__all__ = ["Objective", "LocalResult", "local_update", "warmup_cosine", "mean_lr_multiplier"]
 
 
 class Objective(Protocol):
@@ -59,6 +60,13 @@ def warmup_cosine(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def mean_lr_multiplier(hp: RoundHyperparams) -> float:
+    """The schedule's mean over the K steps: a constant term added to every local gradient moves
+    Delta_i by this times the term (exactly so with SGD)."""
+    warmup = min(hp.warmup_steps, hp.local_steps - 1)
+    return sum(warmup_cosine(k, hp.local_steps, warmup) for k in range(hp.local_steps)) / hp.local_steps
+
+
 def local_update(
     v: Tensors,
     c: Tensors,
@@ -67,17 +75,20 @@ def local_update(
     hp: RoundHyperparams,
     on_step: Callable[[dict], None] | None = None,
     x0: Tensors | None = None,
+    control: Tensors | None = None,
 ) -> LocalResult:
     """Run K steps from ``x_0 = v`` and return x_K, Delta_i, the new c_i and dc_i (eq. 4–10).
 
     ``x0`` starts elsewhere (a local-only baseline continuing its own messenger); the proximal
-    term and Delta_i still refer to ``v``.
+    term and Delta_i still refer to ``v``. ``control`` is the global hypergradient ``h`` that
+    the ``svrg`` solver (FedNest's outer steps) corrects every local gradient towards.
     """
+    if hp.solver == "svrg" and control is None:
+        raise ConfigError("the svrg solver needs the round's global hypergradient (FedNest's h)")
     params = {k: torch.nn.Parameter(t.detach().clone()) for k, t in (x0 or v).items()}
     opt = _optimizer(list(params.values()), hp)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, hp.local_steps, min(hp.warmup_steps, hp.local_steps - 1))
-    )
+    warmup = min(hp.warmup_steps, hp.local_steps - 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, hp.local_steps, warmup))
     steps, first = [], {}
     consensus_gap = norm(sub(c, c_i))  # |c - c_i|, fixed within a round
     for k in range(hp.local_steps):
@@ -88,7 +99,7 @@ def local_update(
             "lr": opt.param_groups[0]["lr"],
             "consensus_gap": consensus_gap,
         }
-        g = _direction(x, objective, hp, metrics)
+        g = _direction(x, objective, hp, metrics, v, control)
         first = first or g
         g_traj = trajectory_gradient(g, x, v, c, c_i, hp.gamma, hp.eps_prox)  # eq. (8)
         for name, p in params.items():
@@ -107,11 +118,17 @@ def local_update(
     return LocalResult(x_final, delta, c_i_new, delta_c(c_i_new, c_i), steps, first)
 
 
-def _direction(x: Tensors, objective: Objective, hp: RoundHyperparams, metrics: dict) -> Tensors:
-    """FO: grad at the look-ahead point; FD: that minus eta_hvp times a central-difference HVP."""
+def _direction(
+    x: Tensors, objective: Objective, hp: RoundHyperparams, metrics: dict, v: Tensors, control: Tensors | None
+) -> Tensors:
+    """FO: grad at the look-ahead point; FD: that minus eta_hvp times a central-difference HVP;
+    SVRG: FedNest's ``h_i,nu = grad f_i(x_i,nu) - grad f_i(x) + h``, both gradients on one batch."""
     batch = objective.batch()
     loss, g0 = objective.gradient(x, batch)  # eq. (4)
     metrics["loss"] = loss
+    if hp.solver == "svrg":
+        _, g_anchor = objective.gradient(v, batch)
+        return add(sub(g0, g_anchor), control)
     if hp.look_ahead == 0.0:  # x_look = x_k: the look-ahead gradient is g0 itself
         u = g0
     else:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .atomic import write_bytes
+from .bilevel import client_gradients
 from .bundle import Bundle
 from .config import RoundHyperparams
 from .data import Example, load_examples
@@ -26,7 +27,9 @@ from .objective import MessengerObjective
 from .packet import Packet
 from .profiles import DeviceProfile, load_profile, pick_device
 from .state import METRICS_LOG, ClientState
-from .update import add, norm, reconstruct_displacement
+from .update import Tensors, add, norm, reconstruct_displacement
+
+PROBE_KIND = "gradients"  # metrics["kind"] of FedNest's probe packet
 
 __all__ = [
     "RoundOutput",
@@ -34,6 +37,8 @@ __all__ = [
     "train",
     "train_files",
     "train_bundle",
+    "probe_files",
+    "PROBE_KIND",
     "round_hyperparams",
     "read_key",
     "append_metrics",
@@ -79,8 +84,12 @@ def train_round(
     key: bytes | None = None,
     seed: int = 0,
     on_step: Callable[[dict], None] | None = None,
+    control: Tensors | None = None,
 ) -> RoundOutput:
-    """Run K local steps and encode dc_i; the state advances by the *decoded* increment."""
+    """Run K local steps and encode dc_i; the state advances by the *decoded* increment.
+
+    ``control`` is FedNest's global hypergradient for the svrg solver; with ``hp.send_grad_y``
+    (LFedNest) the packet also carries grad_y f_i at the bundle's point."""
     bundle = edge.bundle
     check_state(state, bundle)
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
@@ -95,9 +104,13 @@ def train_round(
     _check_shapes(state.c_i, v)
     if state.rng is not None:
         torch.set_rng_state(state.rng)
+    grad_y = {}
+    if hp.send_grad_y:  # LFedNest: at the bundle's point, before training moves the messenger
+        probe_seed = _seed(seed, f"probe:{client_id}", bundle.round)
+        grad_y = client_gradients(edge, examples, hp, hp.probe_batches, probe_seed)[2]
     objective = MessengerObjective(edge, examples, hp.batch_size, hp.grad_accum, _seed(seed, client_id, bundle.round))
     x0 = state.personalized if hp.start_from == "personalized" and state.personalized else v
-    result = local_update(v, c, state.c_i, objective, hp, on_step, x0=x0)
+    result = local_update(v, c, state.c_i, objective, hp, on_step, x0=x0, control=control)
     _check_finite(result)
     losses = [s["loss"] for s in result.steps]
     metrics = {
@@ -110,8 +123,10 @@ def train_round(
         "gamma": hp.gamma,  # the cloud inverts eq. (10) with these: they must be the round's
         "alpha": hp.alpha,
     }
-    data = Packet(client_id, bundle.round, bundle.bundle_id, codec, len(examples), result.dc, metrics).to_bytes(key)
+    tensors = {**result.dc, **grad_y}
+    data = Packet(client_id, bundle.round, bundle.bundle_id, codec, len(examples), tensors, metrics).to_bytes(key)
     packet = Packet.from_bytes(data, key)
+    dc = {k: packet.tensors[k] for k in v}
     new_state = ClientState(
         client_id,
         state.model_revision,
@@ -119,7 +134,7 @@ def train_round(
         bundle.round,
         bundle.bundle_id,
         bundle.frozen_digest,
-        c_i=add(state.c_i, packet.tensors),  # the compression rule: advance by what the cloud decodes
+        c_i=add(state.c_i, dc),  # the compression rule: advance by what the cloud decodes
         personalized=result.x_final,
         counters={
             "rounds": state.counters["rounds"] + 1,
@@ -128,7 +143,7 @@ def train_round(
         },
         rng=torch.get_rng_state(),
     )
-    delta_sent = reconstruct_displacement(packet.tensors, state.c_i, c, hp.alpha, hp.gamma)
+    delta_sent = reconstruct_displacement(dc, state.c_i, c, hp.alpha, hp.gamma)
     return RoundOutput(packet, data, new_state, result, delta_sent)
 
 
@@ -171,15 +186,14 @@ def train_bundle(
     key: bytes | None = None,
     overrides: dict | None = None,
     on_step: Callable[[dict], None] | None = None,
+    hypergradient: Tensors | None = None,
 ) -> tuple[dict, RoundOutput]:
     """Load the bundle's AdapEmu and the data, run :func:`train_round`; writes nothing (the callers
     decide where the packet and the state go: files for ``ciders-edge train``, the network for a fleet)."""
-    prof = load_profile(profile) if profile else None
-    hp = round_hyperparams(b, prof, overrides or {})
-    edge = load_edge_model(b, prof.torch_dtype if prof else None)
-    edge.model.to(pick_device(prof))
-    examples = load_examples(data, edge.tokenizer, hp.seq_len)
-    out_round = train_round(edge, examples, state, hp, client_id=client_id, codec=codec, key=key, on_step=on_step)
+    hp, edge, examples = _load(b, data, profile, overrides or {})
+    out_round = train_round(
+        edge, examples, state, hp, client_id=client_id, codec=codec, key=key, on_step=on_step, control=hypergradient
+    )
     rfd = [m["r_fd"] for m in out_round.result.steps if "r_fd" in m]
     p = out_round.packet
     summary = {
@@ -199,6 +213,38 @@ def train_bundle(
         "packet_bytes": len(out_round.packet_bytes),
     }
     return summary, out_round
+
+
+def probe_files(
+    bundle: str | Path,
+    data: str | Path,
+    state_dir: str | Path,
+    out: str | Path,
+    *,
+    client_id: str,
+    profile: str | None = None,
+    key: bytes | None = None,
+) -> dict:
+    """FedNest's first exchange of a round: ``grad_x f_i`` and ``grad_y f_i`` at the bundle's point,
+    written as an fp32 packet (the cloud's hypergradient takes them exactly); the state is unchanged."""
+    b = Bundle.load(bundle)
+    check_state(ClientState.load(state_dir), b)
+    hp, edge, examples = _load(b, data, profile, {}, live_backbone=True)
+    seed = _seed(0, f"probe:{client_id}", b.round)
+    loss, grad_x, grad_y = client_gradients(edge, examples, hp, hp.probe_batches, seed)
+    metrics = {"kind": PROBE_KIND, "loss": loss}
+    packet = Packet(client_id, b.round, b.bundle_id, "fp32", len(examples), {**grad_x, **grad_y}, metrics)
+    size = packet.save(out, key)
+    return {"client_id": client_id, "round": b.round, "loss": loss, "packet": str(out), "packet_bytes": size}
+
+
+def _load(b: Bundle, data, profile: str | None, overrides: dict, live_backbone: bool = False):
+    """The round's hyperparameters, the AdapEmu on the profile's device, and the tokenized data."""
+    prof = load_profile(profile) if profile else None
+    hp = round_hyperparams(b, prof, overrides)
+    edge = load_edge_model(b, prof.torch_dtype if prof else None, live_backbone or hp.send_grad_y)
+    edge.model.to(pick_device(prof))
+    return hp, edge, load_examples(data, edge.tokenizer, hp.seq_len)
 
 
 def read_key(path: Path) -> bytes:

@@ -59,6 +59,33 @@ def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm):
         assert all(r["v_change"] > 0.0 for r in rows if r["type"] == "round")
     if algorithm == "ciders-fd":
         assert all(r["r_fd"] is not None and r["r_fd"] >= 0 for r in clients)
+    if algorithm in ("fednest", "lfednest"):
+        _check_bilevel_rounds(out, rows, algorithm)
+
+
+def _check_bilevel_rounds(out, rows, algorithm):
+    """FedNest pays a probe exchange (up: grad_x, grad_y; down: h); LFedNest one fatter packet."""
+    from safetensors.torch import load_file
+
+    from ciders_edge.packet import Packet
+
+    state = ServerState.load(out / "run" / STATE_DIR)
+    rounds = [r for r in rows if r["type"] == "round"]
+    assert all(r["hvp"] == "autograd" and r["neumann_terms"] == 5 and r["neumann_l"] > 0 for r in rounds)
+    for r in [r for r in rows if r["type"] == "client"]:
+        path = out / "packets" / f"round-{r['round']:04d}" / f"{r['client']}.pkt"
+        packet, probe = Packet.load(path), path.with_suffix(".probe.pkt")
+        if algorithm == "fednest":
+            assert set(packet.tensors) == set(state.messenger)
+            assert r["bytes_up"] == path.stat().st_size + probe.stat().st_size
+            assert probe.stat().st_size > path.stat().st_size  # grad_x and grad_y, fp32
+        else:
+            assert set(packet.tensors) == set(state.messenger) | set(state.backbone)
+            assert not probe.exists()
+    if algorithm == "fednest":
+        h = load_file(out / "run" / "hypergradients" / "round-0002.safetensors")
+        assert {k: v.shape for k, v in h.items()} == {k: v.shape for k, v in state.messenger.items()}
+        assert all(r["bytes_down"] >= sum(t.numel() * 4 for t in h.values()) for r in rounds)
 
 
 def test_ciders_with_everything_off_is_exactly_fedavg(demo_dir, tmp_path):

@@ -1,0 +1,63 @@
+"""The cloud's part in FedNest and LFedNest: TAKD (eq. 2) as the inner problem g(x, y).
+
+The inner problem lives on the cloud alone (its public data and teacher), so FedIHGP's products
+with ``grad_yy g`` and ``grad_xy g`` need no communication here; the clients contribute only
+``grad_y f_i`` (see :mod:`ciders_edge.bilevel`).
+"""
+
+from __future__ import annotations
+
+import random
+
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ciders_edge.config import RoundHyperparams
+from ciders_edge.data import batch_stream, load_examples
+from ciders_edge.lora import BACKBONE, MESSENGER, copy_into, lora_parameters, set_trainable
+from ciders_edge.update import Tensors
+
+from .config import RunConfig, TakdConfig
+from .hypergradient import indirect_term, second_order
+from .models import CloudModels
+from .state import ServerState
+from .takd import takd_terms
+
+__all__ = ["TakdInner", "cloud_indirect_term"]
+
+
+class TakdInner:
+    """g(x, y) = the TAKD loss on one fixed public batch, x and y written into the live LoRAs."""
+
+    def __init__(self, models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -> None:
+        self.models, self.batch, self.cfg = models, batch, cfg
+        self.x = lora_parameters(models.emu, MESSENGER)
+        self.y = lora_parameters(models.emu, BACKBONE)
+
+    def loss_at(self, x: Tensors, y: Tensors) -> tuple[Tensor, Tensors, Tensors]:
+        copy_into(self.x, x)
+        copy_into(self.y, y)
+        for p in (*self.x.values(), *self.y.values()):
+            p.requires_grad_(True)
+        with sdpa_kernel(SDPBackend.MATH):  # the fused CPU kernels have no double-backward
+            return takd_terms(self.models, self.batch, self.cfg)["loss"], self.x, self.y
+
+
+def cloud_indirect_term(
+    models: CloudModels, run: RunConfig, state: ServerState, hp: RoundHyperparams, grad_y_f: Tensors
+) -> tuple[Tensors, dict]:
+    """``-grad_xy g [grad_yy g]^-1 grad_y f`` at the round's (v, backbone), on a public batch
+    drawn for this round; the models hold the round's LoRAs again afterwards."""
+    cfg = run.takd_config
+    examples = load_examples(run.public_data, models.tokenizer, cfg.seq_len)
+    rng = random.Random(f"{run.seed}:ihgp:{state.round}")
+    batch = next(batch_stream(examples, cfg.batch_size, rng, models.tokenizer.pad_token_id))
+    inner = TakdInner(models, batch, cfg)
+    try:
+        second = second_order(inner, state.messenger, state.backbone, hp.hvp)
+        q, info = indirect_term(second, grad_y_f, hp.neumann_terms, hp.neumann_l)
+    finally:
+        set_trainable(models.emu, None)
+        copy_into(inner.x, state.messenger)
+        copy_into(inner.y, state.backbone)
+    return q, {**info, "hvp": second.method}
