@@ -115,7 +115,7 @@ def neumann_ihgp(hvp: Callable[[Tensors], Tensors], b: Tensors, terms: int, lips
     return scale(total, 1.0 / lipschitz)
 
 
-def top_eigenvalue(hvp: Callable[[Tensors], Tensors], like: Tensors, iters: int = 8, seed: int = 0) -> float:
+def top_eigenvalue(hvp: Callable[[Tensors], Tensors], like: Tensors, iters: int = 5, seed: int = 0) -> float:
     """|largest eigenvalue| of the Hessian by power iteration: a step 1/l with l above it keeps
     the Neumann series from diverging along the sharpest direction."""
     gen = torch.Generator().manual_seed(seed)

@@ -40,7 +40,8 @@ def _metrics(out):
 @pytest.mark.parametrize("algorithm", sorted(STRATEGIES))
 def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm):
     out = tmp_path / algorithm
-    summary = simulate(_cfg(demo_dir, algorithm=algorithm, participation=0.67), out)
+    bilevel = {"neumann_terms": 3, "neumann_l": 50.0, "probe_batches": 1} if "nest" in algorithm else {}
+    summary = simulate(_cfg(demo_dir, algorithm=algorithm, participation=0.67, hyperparameters=bilevel), out)
     rows = _metrics(out)
     clients = [r for r in rows if r["type"] == "client"]
     assert sorted({r["round"] for r in clients}) == [0, 1, 2]
@@ -71,7 +72,8 @@ def _check_bilevel_rounds(out, rows, algorithm):
 
     state = ServerState.load(out / "run" / STATE_DIR)
     rounds = [r for r in rows if r["type"] == "round"]
-    assert all(r["hvp"] == "autograd" and r["neumann_terms"] == 5 and r["neumann_l"] > 0 for r in rounds)
+    assert all(r["hvp"] == "autograd" and r["neumann_terms"] == 3 and r["neumann_l"] == 50.0 for r in rounds)
+    assert all(r["indirect_norm"] > 0 for r in rounds)
     for r in [r for r in rows if r["type"] == "client"]:
         path = out / "packets" / f"round-{r['round']:04d}" / f"{r['client']}.pkt"
         packet, probe = Packet.load(path), path.with_suffix(".probe.pkt")
