@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=24)
     ap.add_argument("--align-steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--neumann-terms", type=int, default=3, help="FedNest/LFedNest: N")
+    ap.add_argument("--probe-batches", type=int, default=2, help="FedNest/LFedNest: batches behind grad f_i")
     args = ap.parse_args()
     data = data_dir("five_domain")
     from ciders_edge.atomic import write_bytes
@@ -43,6 +45,7 @@ def main() -> None:
     if not public.is_file():
         write_bytes(public, b"".join((data / d / "public.jsonl").read_bytes() for d in DOMAINS))
     results = {}
+    bilevel = {"neumann_terms": args.neumann_terms, "probe_batches": args.probe_batches}
     for alg in args.algorithms.split(","):
         cfg = domain_study(
             DOMAINS,
@@ -54,6 +57,7 @@ def main() -> None:
             max_records=args.max_records,
             public_data=str(public),
             align_steps=args.align_steps,
+            hyperparameters=bilevel if "nest" in alg else {},
         )
         out = args.out / alg
         if _done(out):  # resumable: a finished algorithm is read back, not run again
@@ -111,7 +115,13 @@ def _write(args, results: dict) -> None:
             for d, row in zip(DOMAINS, r["matrix"], strict=True)
         ]
         notes.append("")
-    payload = {"domains": DOMAINS, "rounds": args.rounds, "local_steps": args.local_steps, "results": results}
+    payload = {
+        "domains": DOMAINS,
+        "rounds": args.rounds,
+        "local_steps": args.local_steps,
+        "bilevel": {"neumann_terms": args.neumann_terms, "probe_batches": args.probe_batches},
+        "results": results,
+    }
     write_results("protocol_b", payload, table, header, "\n".join(notes))
 
 

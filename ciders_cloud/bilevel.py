@@ -51,7 +51,7 @@ def cloud_indirect_term(
     cfg = run.takd_config
     examples = load_examples(run.public_data, models.tokenizer, cfg.seq_len)
     rng = random.Random(f"{run.seed}:ihgp:{state.round}")
-    batch = next(batch_stream(examples, cfg.batch_size, rng, models.tokenizer.pad_token_id))
+    batch = next(batch_stream(examples, hp.hvp_batch_size, rng, models.tokenizer.pad_token_id))
     inner = TakdInner(models, batch, cfg)
     try:
         second = second_order(inner, state.messenger, state.backbone, hp.hvp)

@@ -68,6 +68,7 @@ class RoundHyperparams(ConfigMixin):
     neumann_terms: int = 5  # N: terms of the Neumann series for [grad_yy g]^-1 grad_y f
     neumann_l: float = 0.0  # l: the series' step is 1/l; 0 estimates l from grad_yy g's top eigenvalue
     hvp: str = "auto"  # autograd | fd | auto (autograd double-backward, central differences if it fails)
+    hvp_batch_size: int = 1  # public sequences in the cloud's Hessian-vector products (a stochastic Hessian)
 
     def __post_init__(self) -> None:
         for name in ("local_steps", "grad_accum", "batch_size", "seq_len"):
@@ -83,8 +84,8 @@ class RoundHyperparams(ConfigMixin):
             raise ConfigError(f"`solver` must be fo, fd or svrg, got {self.solver!r}.")
         if self.hvp not in ("auto", "autograd", "fd"):
             raise ConfigError(f"`hvp` must be auto, autograd or fd, got {self.hvp!r}.")
-        if self.neumann_terms < 1 or self.probe_batches < 1:
-            raise ConfigError("`neumann_terms` and `probe_batches` must be at least 1.")
+        if min(self.neumann_terms, self.probe_batches, self.hvp_batch_size) < 1:
+            raise ConfigError("`neumann_terms`, `probe_batches` and `hvp_batch_size` must be at least 1.")
         if not 0.0 < self.alpha <= 1.0:
             raise ConfigError(f"`alpha` must be in (0, 1], got {self.alpha}.")
         if self.eps_fd <= 0:
