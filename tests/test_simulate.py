@@ -4,12 +4,15 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ciders_cloud.prepare import STATE_DIR
+from ciders_cloud.rounds import hypergradient_packets
 from ciders_cloud.simulate import SimConfig, simulate
 from ciders_cloud.state import ServerState
 from ciders_cloud.strategies import STRATEGIES
-from ciders_edge.errors import ConfigError
+from ciders_edge.errors import ConfigError, PacketError
+from ciders_edge.packet import Packet
 
 FAST = dict(
     model="tiny",
@@ -66,10 +69,6 @@ def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm):
 
 def _check_bilevel_rounds(out, rows, algorithm):
     """FedNest pays a probe exchange (up: grad_x, grad_y; down: h); LFedNest one fatter packet."""
-    from safetensors.torch import load_file
-
-    from ciders_edge.packet import Packet
-
     state = ServerState.load(out / "run" / STATE_DIR)
     rounds = [r for r in rows if r["type"] == "round"]
     assert all(r["hvp"] == "autograd" and r["neumann_terms"] == 3 and r["neumann_l"] == 50.0 for r in rounds)
@@ -85,6 +84,8 @@ def _check_bilevel_rounds(out, rows, algorithm):
             assert set(packet.tensors) == set(state.messenger) | set(state.backbone)
             assert not probe.exists()
     if algorithm == "fednest":
+        with pytest.raises(PacketError, match="not a probe packet"):
+            hypergradient_packets(out / "run", [("x.pkt", path.read_bytes())])
         h = load_file(out / "run" / "hypergradients" / "round-0002.safetensors")
         assert {k: v.shape for k, v in h.items()} == {k: v.shape for k, v in state.messenger.items()}
         assert all(r["bytes_down"] >= sum(t.numel() * 4 for t in h.values()) for r in rounds)
@@ -102,8 +103,6 @@ def test_ciders_with_everything_off_is_exactly_fedavg(demo_dir, tmp_path):
 
 
 def test_simulate_refuses_bad_partition_and_existing_out(demo_dir, tmp_path):
-    from ciders_edge.errors import ConfigError
-
     with pytest.raises(ConfigError, match="unknown partition"):
         simulate(_cfg(demo_dir, partition="zipf", data=[str(demo_dir / "public.jsonl")]), tmp_path / "x")
     (tmp_path / "y").mkdir()
