@@ -114,7 +114,7 @@ def _summary(data: dict, labels: dict) -> str:
         "# CIDERS simulation report",
         "",
         "| run | rounds | final NLL personalized | final NLL global | Δcross | bytes up / round | "
-        "bytes down / round | wall s / round |",
+        "bytes down / client / round | wall s / round |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for run, rows in data.items():
