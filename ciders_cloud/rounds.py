@@ -135,9 +135,7 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     digests = sorted(r.digest for r in received)
     if state.last_round_digests and digests == state.last_round_digests and state.round > 0:
         return {**state.last_summary, "already_aggregated": True}
-    bundle_ids = {Bundle.load(bundle_path(run_dir, p, state.round)).bundle_id for p in run.profiles}
-    hp = round_hyperparams_for(run, state.round)
-    check_packets(received, state, run, bundle_ids, hp)
+    hp = _check_round(run_dir, run, state, received)
     if not received:
         raise PacketError("no packets given; a round needs at least one")
     strategy = get_strategy(run.algorithm)
@@ -165,7 +163,7 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         "c_norm": norm(c),
         "takd_steps": len(records),
         "takd_last": records[-1] if records else None,
-        **bilevel,
+        "bilevel": bilevel,
     }
     new = ServerState(
         state.round + 1,
@@ -188,6 +186,16 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     return summary
 
 
+def _check_round(
+    run_dir: Path, run: RunConfig, state: ServerState, received: list[Received], expected: Tensors | None = None
+) -> RoundHyperparams:
+    """:func:`check_packets` against this round's bundles; returns the round's hyperparameters."""
+    bundle_ids = {Bundle.load(bundle_path(run_dir, p, state.round)).bundle_id for p in run.profiles}
+    hp = round_hyperparams_for(run, state.round)
+    check_packets(received, state, run, bundle_ids, hp, expected)
+    return hp
+
+
 def hypergradient_path(run_dir: Path, round_: int) -> Path:
     return run_dir / HYPERGRADIENTS / f"round-{round_:04d}.safetensors"
 
@@ -204,9 +212,7 @@ def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict
     for r in received:
         if r.packet.metrics.get("kind") != PROBE_KIND:
             raise PacketError(f"{r.where}: not a probe packet (FedNest's first exchange sends gradients)")
-    bundle_ids = {Bundle.load(bundle_path(run_dir, p, state.round)).bundle_id for p in run.profiles}
-    hp = round_hyperparams_for(run, state.round)
-    check_packets(received, state, run, bundle_ids, hp, expected={**state.messenger, **state.backbone})
+    hp = _check_round(run_dir, run, state, received, expected={**state.messenger, **state.backbone})
     weights = participation_weights([r.packet.num_examples for r in received])
     grads = [r.packet.tensors for r in received]
     grad_x = weighted_sum(grads, weights, state.messenger)
@@ -222,7 +228,7 @@ def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict
         "bytes_down": path.stat().st_size,
         "grad_x_norm": norm(grad_x),
         "hypergradient_norm": norm(h),
-        **info,
+        "bilevel": info,
     }
 
 

@@ -139,7 +139,7 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
                 "takd_last": agg["takd_last"],
                 "bytes_up": sum(agg["bytes_up"].values()) + sum(probe_up.values()),
                 "bytes_down": down + probe_down,  # per client, this round
-                **{k: v for k, v in {**probe, **agg}.items() if k.startswith(("neumann", "ihgp", "indirect", "hvp"))},
+                **(probe.get("bilevel") or agg.get("bilevel") or {}),  # FedNest / LFedNest's hypergradient
             }
         )
         down = agg["bytes_down"][cfg.profile]  # what each client fetches for the next round

@@ -63,8 +63,11 @@ def warmup_cosine(step: int, total: int, warmup: int) -> float:
 def mean_lr_multiplier(hp: RoundHyperparams) -> float:
     """The schedule's mean over the K steps: a constant term added to every local gradient moves
     Delta_i by this times the term (exactly so with SGD)."""
-    warmup = min(hp.warmup_steps, hp.local_steps - 1)
-    return sum(warmup_cosine(k, hp.local_steps, warmup) for k in range(hp.local_steps)) / hp.local_steps
+    return sum(_lr_multiplier(k, hp) for k in range(hp.local_steps)) / hp.local_steps
+
+
+def _lr_multiplier(step: int, hp: RoundHyperparams) -> float:
+    return warmup_cosine(step, hp.local_steps, min(hp.warmup_steps, hp.local_steps - 1))
 
 
 def local_update(
@@ -87,8 +90,7 @@ def local_update(
         raise ConfigError("the svrg solver needs the round's global hypergradient (FedNest's h)")
     params = {k: torch.nn.Parameter(t.detach().clone()) for k, t in (x0 or v).items()}
     opt = _optimizer(list(params.values()), hp)
-    warmup = min(hp.warmup_steps, hp.local_steps - 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, hp.local_steps, warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_multiplier(s, hp))
     steps, first = [], {}
     consensus_gap = norm(sub(c, c_i))  # |c - c_i|, fixed within a round
     for k in range(hp.local_steps):
