@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -87,12 +88,22 @@ def data_dir(sub: str) -> Path:
 
 
 def run_simulate(cfg, out: Path) -> tuple[dict, list[dict]]:
-    """One ``simulate`` run (the CLIs' code), and its metrics records."""
+    """One ``simulate`` run (the CLIs' code), and its metrics records.
+
+    Resumable: a run that finished in ``out`` with the same config is read back, not run again,
+    so an interrupted benchmark restarts where it stopped; an unfinished one starts over."""
     from ciders_cloud.simulate import simulate
     from ciders_edge.cli_utils import quiet_libraries
 
-    quiet_libraries()
-    summary = simulate(cfg, out)
+    done = out / "summary.json"
+    if done.is_file() and json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict())):
+        print(f"{out}: finished before, read back", flush=True)
+        summary = json.loads(done.read_text())
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        quiet_libraries()
+        summary = simulate(cfg, out)
+        done.write_text(json.dumps(summary, indent=2) + "\n")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return summary, rows
 

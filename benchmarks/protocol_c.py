@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--local-steps", type=int, default=5)
     ap.add_argument("--max-records", type=int, default=120, help="training records per client")
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--messenger-depth", type=int, default=6)
     args = ap.parse_args()
     dolly = data_dir("dolly15k") / "dolly15k.jsonl"
     from ciders_cloud.report import report
@@ -50,7 +51,7 @@ def main() -> None:
                 eval_examples=16,
                 eval_generate=0,
                 max_records=args.max_records,
-                messenger_depth=6,
+                messenger_depth=args.messenger_depth,
                 drop_ratio=0.2,
             )
             out = args.out / f"dir{alpha}-{alg}"
