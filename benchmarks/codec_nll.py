@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from statistics import median
+from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import domain_study, run_simulate, write_results  # noqa: E402
+from common import domain_study, last_eval, run_simulate, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "code")
 
@@ -38,12 +38,12 @@ def main() -> None:
             max_records=args.max_records,
             codec=codec,
         )
-        summary, metrics = run_simulate(cfg, args.out / codec)
+        metrics = run_simulate(cfg, args.out / codec)
         cross = [r for r in metrics if r["type"] == "cross"][-1]
         rows[codec] = {
             "packet_bytes": median(r["bytes_up"] for r in metrics if r["type"] == "client"),
             "matched_nll": median(cross["matrix"][i][i] for i in range(len(DOMAINS))),
-            "nll_global": summary["mean_nll_global"],
+            "nll_global": mean(r["nll_global"] for r in last_eval(metrics)),
         }
         print(codec, rows[codec], flush=True)
     ref = rows.get("fp32", next(iter(rows.values())))

@@ -87,25 +87,41 @@ def data_dir(sub: str) -> Path:
     return path
 
 
-def run_simulate(cfg, out: Path) -> tuple[dict, list[dict]]:
-    """One ``simulate`` run (the CLIs' code), and its metrics records.
+def run_simulate(cfg, out: Path) -> list[dict]:
+    """One ``simulate`` run (the CLIs' code); returns its ``metrics.jsonl`` records.
 
     Resumable: a run that finished in ``out`` with the same config is read back, not run again,
     so an interrupted benchmark restarts where it stopped; an unfinished one starts over."""
     from ciders_cloud.simulate import simulate
     from ciders_edge.cli_utils import quiet_libraries
 
-    done = out / "summary.json"
-    if done.is_file() and json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict())):
+    if _finished(cfg, out):
         print(f"{out}: finished before, read back", flush=True)
-        summary = json.loads(done.read_text())
     else:
         shutil.rmtree(out, ignore_errors=True)
         quiet_libraries()
-        summary = simulate(cfg, out)
-        done.write_text(json.dumps(summary, indent=2) + "\n")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows
+        simulate(cfg, out)
+    return metrics(out)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _finished(cfg, out: Path) -> bool:
+    """Same config, and the last round's evaluation is in the metrics (``simulate`` writes it last)."""
+    try:
+        same = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
+        rows = metrics(out)
+    except (OSError, ValueError):
+        return False
+    return same and any(r["type"] == "cross" and r["round"] == cfg.rounds - 1 for r in rows)
+
+
+def last_eval(rows: list[dict]) -> list[dict]:
+    """The ``eval`` records (one per client) of the last evaluated round."""
+    last = max(r["round"] for r in rows if r["type"] == "eval")
+    return [r for r in rows if r["type"] == "eval" and r["round"] == last]
 
 
 def domain_study(domains: tuple[str, ...], **overrides):

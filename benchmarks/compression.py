@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from statistics import median
+from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import domain_study, run_simulate, write_results  # noqa: E402
+from common import domain_study, last_eval, run_simulate, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "code")
 
@@ -41,7 +41,7 @@ def main() -> None:
                 messenger_depth=depth,
                 drop_ratio=drop,
             )
-            summary, metrics = run_simulate(cfg, args.out / f"a{depth}-drop{drop}")
+            metrics = run_simulate(cfg, args.out / f"a{depth}-drop{drop}")
             clients = [r for r in metrics if r["type"] == "client"]
             cross = [r for r in metrics if r["type"] == "cross"][-1]
             rows.append(
@@ -51,7 +51,7 @@ def main() -> None:
                     "adapemu_bytes": clients[0]["bytes_down"],  # round 0: the whole bundle
                     "dc_bytes": median(r["bytes_up"] for r in clients),
                     "matched_nll": median(cross["matrix"][i][i] for i in range(len(DOMAINS))),
-                    "nll_global": summary["mean_nll_global"],
+                    "nll_global": mean(r["nll_global"] for r in last_eval(metrics)),
                 }
             )
             print(rows[-1], flush=True)

@@ -13,13 +13,12 @@ mean matched-domain NLL (its diagonal) and Delta_cross (off-diagonal mean minus 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
+from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import data_dir, domain_study, run_simulate, write_results  # noqa: E402
+from common import RESULTS, data_dir, domain_study, last_eval, run_simulate, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedbiot", "fedot", "localot", "fedavg", "fednest", "lfednest")
@@ -59,42 +58,25 @@ def main() -> None:
             align_steps=args.align_steps,
             hyperparameters=bilevel if "nest" in alg else {},
         )
-        out = args.out / alg
-        if _done(out):  # resumable: a finished algorithm is read back, not run again
-            print(f"{alg}: already done in {out}", flush=True)
-            rows = _metrics(out)
-        else:
-            shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts over
-            _, rows = run_simulate(cfg, out)
+        rows = run_simulate(cfg, args.out / alg)  # resumable: a finished algorithm is read back
         cross = [r for r in rows if r["type"] == "cross"][-1]
         matrix = cross["matrix"]
         results[alg] = {
             "matrix": matrix,
             "matched_nll": sum(matrix[i][i] for i in range(len(matrix))) / len(matrix),
             "delta_cross": cross["delta_cross"],
-            "mean_nll_global": _mean_global(rows),
+            "mean_nll_global": mean(r["nll_global"] for r in last_eval(rows)),
             "bytes_up_per_round": sum(r["bytes_up"] for r in rows if r["type"] == "round") / args.rounds,
             "round_wall_s": sum(r["wall_s"] for r in rows if r["type"] == "round"),
         }
         print(f"{alg}: matched NLL {results[alg]['matched_nll']:.4f}, Δcross {cross['delta_cross']:.4f}", flush=True)
-    _write(args, results)
+    from ciders_cloud.report import report
+
+    plots = report([args.out / alg for alg in results], RESULTS / "protocol_b")
+    _write(args, results, plots["files"])
 
 
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _done(out: Path) -> bool:
-    return (out / "metrics.jsonl").is_file() and any(r["type"] == "cross" for r in _metrics(out))
-
-
-def _mean_global(rows: list[dict]) -> float:
-    last = max(r["round"] for r in rows if r["type"] == "eval")
-    evals = [r["nll_global"] for r in rows if r["type"] == "eval" and r["round"] == last]
-    return sum(evals) / len(evals)
-
-
-def _write(args, results: dict) -> None:
+def _write(args, results: dict, plots: list[str]) -> None:
     header = ["algorithm", "matched-domain NLL", "Δcross", "global NLL", "bytes up / round", "rounds' wall s"]
     table = [
         [
@@ -107,7 +89,8 @@ def _write(args, results: dict) -> None:
         ]
         for a, r in sorted(results.items(), key=lambda kv: kv[1]["matched_nll"])
     ]
-    notes = ["5x5 response-NLL matrices (row: client's personalized messenger; column: domain scored):", ""]
+    notes = ["Plots in results/protocol_b/: " + ", ".join(plots), ""]
+    notes += ["5x5 response-NLL matrices (row: client's personalized messenger; column: domain scored):", ""]
     for a, r in results.items():
         notes += [f"**{a}**", "", "| | " + " | ".join(DOMAINS) + " |", "|---" * (len(DOMAINS) + 1) + "|"]
         notes += [

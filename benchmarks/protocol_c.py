@@ -16,7 +16,7 @@ from pathlib import Path
 from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, data_dir, run_simulate, write_results  # noqa: E402
+from common import RESULTS, data_dir, last_eval, run_simulate, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -55,9 +55,9 @@ def main() -> None:
                 drop_ratio=0.2,
             )
             out = args.out / f"dir{alpha}-{alg}"
-            summary, rows = run_simulate(cfg, out)
+            rows = run_simulate(cfg, out)
             runs.append(out)
-            rows_out.append(_row(alpha, alg, summary, rows, args.rounds))
+            rows_out.append(_row(alpha, alg, rows, args.rounds))
             print(rows_out[-1], flush=True)
     plots = report(runs, RESULTS / "protocol_c")
     header = ["Dirichlet", "algorithm", "NLL pers.", "NLL global", "E-RAE last", "S-DR last", "S-PPR last", "gamma"]
@@ -66,13 +66,13 @@ def main() -> None:
     write_results("protocol_c", {"rows": rows_out, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
 
 
-def _row(alpha: str, alg: str, summary: dict, rows: list[dict], rounds: int) -> dict:
+def _row(alpha: str, alg: str, rows: list[dict], rounds: int) -> dict:
     last = [r for r in rows if r["type"] == "client" and r["round"] == rounds - 1]
     return {
         "dirichlet": alpha,
         "algorithm": alg,
-        "nll_personal": summary["mean_nll_personal"],
-        "nll_global": summary["mean_nll_global"],
+        "nll_personal": mean(r["nll_personal"] for r in last_eval(rows)),
+        "nll_global": mean(r["nll_global"] for r in last_eval(rows)),
         "e_rae": mean(r["E-RAE"] for r in last),
         "s_dr": mean(r["S-DR"] for r in last),
         "s_ppr": mean(r["S-PPR"] for r in last),

@@ -37,7 +37,7 @@ def main() -> None:
             max_records=100,
             align_steps=1,
         )
-        _, metrics = run_simulate(cfg, args.out / f"clients-{n}")
+        metrics = run_simulate(cfg, args.out / f"clients-{n}")
         walls = [r["wall_s"] for r in metrics if r["type"] == "round"]
         rows[n] = {"wall_s_per_round": median(walls), "walls": walls}
         print(n, rows[n], flush=True)
