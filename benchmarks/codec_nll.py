@@ -42,7 +42,7 @@ def main() -> None:
         cross = [r for r in metrics if r["type"] == "cross"][-1]
         rows[codec] = {
             "packet_bytes": median(r["bytes_up"] for r in metrics if r["type"] == "client"),
-            "matched_nll": median(cross["matrix"][i][i] for i in range(len(DOMAINS))),
+            "matched_nll": mean(cross["matrix"][i][i] for i in range(len(DOMAINS))),
             "nll_global": mean(r["nll_global"] for r in last_eval(metrics)),
         }
         print(codec, rows[codec], flush=True)

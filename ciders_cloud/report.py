@@ -21,7 +21,7 @@ def load_metrics(run: Path) -> list[dict]:
 
 def _label(run: Path, rows: list[dict]) -> str:
     algo = next((r["algorithm"] for r in rows if r["type"] == "round"), "?")
-    return f"{algo} ({run.name})"
+    return algo if run.name == algo else f"{algo} ({run.name})"
 
 
 def _per_round(rows: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
@@ -39,6 +39,7 @@ def report(runs: list[str | Path], out: str | Path) -> dict:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,6 +54,7 @@ def report(runs: list[str | Path], out: str | Path) -> dict:
             if x:
                 ax.plot(x, y, marker="o", label=labels[run])
         ax.set(title=title, xlabel="round", ylabel=ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -92,16 +94,23 @@ def _gamma_plot(plt, out: Path, data: dict, labels: dict) -> str:
 
 
 def _heatmap(plt, out: Path, run: Path, cross: dict, label: str) -> str:
+    """The NLL matrix, coloured by each cell's difference to its column's mean: domains differ in
+    difficulty far more than messengers do, so raw NLL colours would hide the personalization."""
+    matrix = cross["matrix"]
+    col_mean = [mean(col) for col in zip(*matrix, strict=True)]
+    diff = [[v - m for v, m in zip(row, col_mean, strict=True)] for row in matrix]
+    span = max(abs(d) for row in diff for d in row) or 1.0
     fig, ax = plt.subplots(figsize=(5, 4.5))
-    im = ax.imshow(cross["matrix"], cmap="viridis")
+    im = ax.imshow(diff, cmap="RdBu_r", vmin=-span, vmax=span)
     names = [f"{c}\n{d}" for c, d in zip(cross["clients"], cross["domains"], strict=True)]
     ax.set_xticks(range(len(names)), names, fontsize=6, rotation=45)
     ax.set_yticks(range(len(names)), names, fontsize=6)
     for i, row in enumerate(cross["matrix"]):
         for j, v in enumerate(row):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w", fontsize=7)
+            ink = "w" if abs(diff[i][j]) > 0.6 * span else "k"
+            ax.text(j, i, f"{v:.3f}", ha="center", va="center", color=ink, fontsize=7)
     ax.set(title=f"NLL: model of row on data of column\n{label}", xlabel="eval data", ylabel="personalized model")
-    fig.colorbar(im, ax=ax)
+    fig.colorbar(im, ax=ax, label="NLL minus the column's mean")
     fig.tight_layout()
     name = f"nll_matrix_{run.name}.png"
     fig.savefig(out / name, dpi=120)
