@@ -4,8 +4,9 @@
 
 For each messenger depth (2, 4, 6) and drop ratio (0.2, 0.5), one CIDERS-FO ``simulate`` on three
 five_domain clients (medical, finance, code) with the same seed: the AdapEmu's size (the round-0
-bundle an edge downloads), the Δc payload per client-round, and the matched-domain NLL after the
-last round. Sizes are exact; NLLs are on each domain's ``eval.jsonl``.
+bundle an edge downloads) and its ratio to the full model's fp32 weights, the Δc payload per
+client-round, and the matched-domain NLL after the last round. Sizes are exact; NLLs are on each
+domain's ``eval.jsonl``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main() -> None:
     ap.add_argument("--local-steps", type=int, default=5)
     ap.add_argument("--max-records", type=int, default=120)
     args = ap.parse_args()
+    from ciders_edge.models import resolve_model
+
+    full = sum(f.stat().st_size for f in resolve_model("smollm2-135m").glob("*.safetensors"))  # the fp32 teacher
     rows = []
     for depth in map(int, args.depths.split(",")):
         for drop in map(float, args.drops.split(",")):
@@ -56,13 +60,24 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
-    header = ["depth a", "drop", "AdapEmu MiB", "Δc bytes / client-round", "matched NLL (mean)", "Δcross", "global NLL"]
+    header = [
+        "depth a",
+        "drop",
+        "AdapEmu MiB",
+        "vs full model",
+        "Δc bytes / client-round",
+        "matched NLL (mean)",
+        "Δcross",
+        "global NLL",
+    ]
     table = [
-        [str(r["depth"]), f"{r['drop']:g}", f"{r['adapemu_bytes'] / 2**20:.1f}", f"{r['dc_bytes']:,.0f}",
+        [str(r["depth"]), f"{r['drop']:g}", f"{r['adapemu_bytes'] / 2**20:.1f}", f"{r['adapemu_bytes'] / full:.2f}x",
+         f"{r['dc_bytes']:,.0f}",
          f"{r['matched_nll']:.4f}", f"{r['delta_cross']:.4f}", f"{r['nll_global']:.4f}"]
         for r in rows
     ]  # fmt: skip
-    write_results("compression", {"rows": rows, "domains": DOMAINS, "rounds": args.rounds}, table, header)
+    payload = {"rows": rows, "domains": DOMAINS, "rounds": args.rounds, "full_model_bytes": full}
+    write_results("compression", payload, table, header)
 
 
 if __name__ == "__main__":
