@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, data_dir, last_eval, run_simulate, write_results  # noqa: E402
@@ -61,9 +61,16 @@ def main() -> None:
             print(rows_out[-1], flush=True)
     plots = report(runs, RESULTS / "protocol_c")
     header = ["Dirichlet", "algorithm", "NLL pers.", "NLL global", "E-RAE last", "S-DR last", "S-PPR last", "gamma"]
-    table = [[str(r[k]) if not isinstance(r[k], float) else f"{r[k]:.4f}" for k in r] for r in rows_out]
+    header += ["PPR last (measured)", "Δcross", "s / round (median)"]
+    table = [[_cell(r[k]) for k in r] for r in rows_out]
     notes = "Plots in results/protocol_c/: " + ", ".join(plots["files"])
     write_results("protocol_c", {"rows": rows_out, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
+
+
+def _cell(x) -> str:
+    if not isinstance(x, float):
+        return str(x)
+    return f"{x:.4f}" if abs(x) >= 1e-3 or x == 0 else f"{x:.1e}"
 
 
 def _row(alpha: str, alg: str, rows: list[dict], rounds: int) -> dict:
@@ -76,6 +83,9 @@ def _row(alpha: str, alg: str, rows: list[dict], rounds: int) -> dict:
         "e_rae": mean(r["E-RAE"] for r in last),
         "s_dr": mean(r["S-DR"] for r in last),
         "s_ppr": mean(r["S-PPR"] for r in last),
+        "ppr": mean(r["PPR"] for r in last),  # measured, against S-PPR's prediction
+        "delta_cross": [r for r in rows if r["type"] == "cross"][-1]["delta_cross"],
+        "round_wall_s": median(r["wall_s"] for r in rows if r["type"] == "round"),
         "gamma": last[0]["gamma"],
     }
 

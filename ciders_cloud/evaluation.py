@@ -18,6 +18,7 @@ from ciders_edge.evaluate import (
     rouge_l,
     use_messenger,
 )
+from ciders_edge.progress import progress_bar
 from ciders_edge.state import ClientState
 
 __all__ = ["evaluate_round", "delta_cross"]
@@ -36,39 +37,19 @@ def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[st
     edge = load_edge_model(Bundle.load(bundle_dir))
     v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
     round_ = edge.bundle.round - 1
-    evals = {  # through the shared backbone once: each row of the matrix only swaps the messenger
-        cid: backbone_batches(
-            edge, load_examples(out / "data" / cid / "eval.jsonl", edge.tokenizer, 512)[: cfg.eval_examples]
-        )
-        for cid in ids
-    }
-    personal = {}
-    for cid in ids:
-        state = ClientState.load(out / "clients" / cid)
-        personal[cid] = state.personalized if state is not None and state.personalized else v
-    records, matrix = [], []
-    for cid in ids:
-        use_messenger(edge, v)
-        nll_global = messenger_nll(edge, evals[cid])
-        use_messenger(edge, personal[cid])
-        row = [messenger_nll(edge, evals[other]) for other in ids]
-        matrix.append(row)
-        nll_personal = row[ids.index(cid)]
-        rouge, em = _generation_scores(edge, out / "data" / cid / "eval.jsonl", cfg.eval_generate)
-        records.append(
-            {
-                "type": "eval",
-                "round": round_,
-                "client": cid,
-                "domain": domains[cid],
-                "nll_personal": nll_personal,
-                "nll_global": nll_global,
-                "ppl_personal": perplexity(nll_personal),
-                "ppl_global": perplexity(nll_global),
-                "rouge_l": rouge,
-                "exact_match": em,
-            }
-        )
+    with progress_bar() as bar:  # minutes on SmolLM2: one backbone pass and one matrix row per client
+        task = bar.add_task(f"round {round_} evaluation", total=2 * len(ids), metrics="")
+        evals = {}  # through the shared backbone once: each row of the matrix only swaps the messenger
+        for cid in ids:
+            examples = load_examples(out / "data" / cid / "eval.jsonl", edge.tokenizer, 512)[: cfg.eval_examples]
+            evals[cid] = backbone_batches(edge, examples)
+            bar.update(task, advance=1, metrics=f"backbone pass {cid}")
+        records, matrix = [], []
+        for cid in ids:
+            record, row = _client_record(edge, v, evals, out, cid, ids, cfg)
+            records.append({"type": "eval", "round": round_, "client": cid, "domain": domains[cid], **record})
+            matrix.append(row)
+            bar.update(task, advance=1, metrics=f"{cid} NLL {records[-1]['nll_personal']:.3f}")
     cross = delta_cross(matrix) if len(set(domains.values())) > 1 else None
     records.append(
         {
@@ -86,6 +67,29 @@ def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[st
         "mean_nll_global": mean(r["nll_global"] for r in records[:-1]),
         "delta_cross": cross,
     }
+
+
+def _client_record(
+    edge: EdgeModel, v: dict, evals: dict, out: Path, cid: str, ids: list[str], cfg
+) -> tuple[dict, list[float]]:
+    """One client's scores, and its matrix row: its personalized messenger on every client's data."""
+    state = ClientState.load(out / "clients" / cid)
+    personal = state.personalized if state is not None and state.personalized else v
+    use_messenger(edge, v)
+    nll_global = messenger_nll(edge, evals[cid])
+    use_messenger(edge, personal)
+    row = [messenger_nll(edge, evals[other]) for other in ids]
+    nll_personal = row[ids.index(cid)]
+    rouge, em = _generation_scores(edge, out / "data" / cid / "eval.jsonl", cfg.eval_generate)
+    record = {
+        "nll_personal": nll_personal,
+        "nll_global": nll_global,
+        "ppl_personal": perplexity(nll_personal),
+        "ppl_global": perplexity(nll_global),
+        "rouge_l": rouge,
+        "exact_match": em,
+    }
+    return record, row
 
 
 def _generation_scores(edge: EdgeModel, path: Path, n: int) -> tuple[float | None, float | None]:
