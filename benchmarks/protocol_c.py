@@ -83,10 +83,10 @@ def _row(alpha: str, alg: str, rows: list[dict], rounds: int) -> dict:
         "e_rae": mean(r["E-RAE"] for r in last),
         "s_dr": mean(r["S-DR"] for r in last),
         "s_ppr": mean(r["S-PPR"] for r in last),
+        "gamma": last[0]["gamma"],
         "ppr": mean(r["PPR"] for r in last),  # measured, against S-PPR's prediction
         "delta_cross": [r for r in rows if r["type"] == "cross"][-1]["delta_cross"],
         "round_wall_s": median(r["wall_s"] for r in rows if r["type"] == "round"),
-        "gamma": last[0]["gamma"],
     }
 
 
