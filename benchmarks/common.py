@@ -40,7 +40,8 @@ def commit() -> str:
             check=True,
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            # results rewritten by a read-back do not make the commit dirty
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)benchmarks/results"],
             capture_output=True,
             text=True,
             cwd=Path(__file__).parent,
