@@ -100,7 +100,8 @@ def _heatmap(plt, out: Path, run: Path, cross: dict, label: str) -> str:
     col_mean = [mean(col) for col in zip(*matrix, strict=True)]
     diff = [[v - m for v, m in zip(row, col_mean, strict=True)] for row in matrix]
     span = max(abs(d) for row in diff for d in row) or 1.0
-    fig, ax = plt.subplots(figsize=(5, 4.5))
+    side = max(5.0, 0.75 * len(matrix) + 2.0)  # room for one "3.142" per cell
+    fig, ax = plt.subplots(figsize=(side + 1.0, side))
     im = ax.imshow(diff, cmap="RdBu_r", vmin=-span, vmax=span)
     names = [f"{c}\n{d}" for c, d in zip(cross["clients"], cross["domains"], strict=True)]
     ax.set_xticks(range(len(names)), names, fontsize=6, rotation=45)
