@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from statistics import mean, median
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import domain_study, last_eval, run_simulate, write_results  # noqa: E402
+from common import domain_study, final_scores, run_simulate, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "code")
 
@@ -43,11 +43,11 @@ def main() -> None:
             algorithm=args.algorithm,
         )
         metrics = run_simulate(cfg, args.out / codec)
-        cross = [r for r in metrics if r["type"] == "cross"][-1]
+        scores = final_scores(metrics)
         rows[codec] = {
             "packet_bytes": median(r["bytes_up"] for r in metrics if r["type"] == "client"),
-            "matched_nll": mean(cross["matrix"][i][i] for i in range(len(DOMAINS))),
-            "nll_global": mean(r["nll_global"] for r in last_eval(metrics)),
+            "matched_nll": scores["matched_nll"],
+            "nll_global": scores["nll_global"],
         }
         print(codec, rows[codec], flush=True)
     ref = rows.get("fp32", next(iter(rows.values())))

@@ -93,6 +93,7 @@ def run_simulate(cfg, out: Path) -> list[dict]:
 
     Resumable: a run that finished in ``out`` with the same config is read back, not run again,
     so an interrupted benchmark restarts where it stopped; an unfinished one starts over."""
+    from ciders_cloud.report import load_metrics
     from ciders_cloud.simulate import simulate
     from ciders_edge.cli_utils import quiet_libraries
 
@@ -102,27 +103,34 @@ def run_simulate(cfg, out: Path) -> list[dict]:
         shutil.rmtree(out, ignore_errors=True)
         quiet_libraries()
         simulate(cfg, out)
-    return metrics(out)
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return load_metrics(out)
 
 
 def _finished(cfg, out: Path) -> bool:
     """Same config, and the last round's evaluation is in the metrics (``simulate`` writes it last)."""
+    from ciders_cloud.report import load_metrics
+
     try:
         same = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
-        rows = metrics(out)
-    except (OSError, ValueError):
+        rows = load_metrics(out)
+    except (OSError, ValueError):  # ConfigError (no metrics) is a ValueError
         return False
     return same and any(r["type"] == "cross" and r["round"] == cfg.rounds - 1 for r in rows)
 
 
-def last_eval(rows: list[dict]) -> list[dict]:
-    """The ``eval`` records (one per client) of the last evaluated round."""
+def final_scores(rows: list[dict]) -> dict:
+    """The last evaluation: mean personalized and global NLL over clients, the NLL matrix, its mean
+    diagonal (matched-domain NLL) and Delta_cross."""
     last = max(r["round"] for r in rows if r["type"] == "eval")
-    return [r for r in rows if r["type"] == "eval" and r["round"] == last]
+    evals = [r for r in rows if r["type"] == "eval" and r["round"] == last]
+    matrix = next(r for r in rows if r["type"] == "cross" and r["round"] == last)
+    return {
+        "nll_personal": statistics.mean(r["nll_personal"] for r in evals),
+        "nll_global": statistics.mean(r["nll_global"] for r in evals),
+        "matrix": matrix["matrix"],
+        "matched_nll": statistics.mean(row[i] for i, row in enumerate(matrix["matrix"])),
+        "delta_cross": matrix["delta_cross"],
+    }
 
 
 def domain_study(domains: tuple[str, ...], **overrides):

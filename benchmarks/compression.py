@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from statistics import mean, median
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import domain_study, last_eval, run_simulate, write_results  # noqa: E402
+from common import domain_study, final_scores, run_simulate, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "code")
 
@@ -47,16 +47,16 @@ def main() -> None:
             )
             metrics = run_simulate(cfg, args.out / f"a{depth}-drop{drop}")
             clients = [r for r in metrics if r["type"] == "client"]
-            cross = [r for r in metrics if r["type"] == "cross"][-1]
+            scores = final_scores(metrics)
             rows.append(
                 {
                     "depth": depth,
                     "drop": drop,
                     "adapemu_bytes": clients[0]["bytes_down"],  # round 0: the whole bundle
                     "dc_bytes": median(r["bytes_up"] for r in clients),
-                    "matched_nll": mean(cross["matrix"][i][i] for i in range(len(DOMAINS))),
-                    "delta_cross": cross["delta_cross"],
-                    "nll_global": mean(r["nll_global"] for r in last_eval(metrics)),
+                    "matched_nll": scores["matched_nll"],
+                    "delta_cross": scores["delta_cross"],
+                    "nll_global": scores["nll_global"],
                 }
             )
             print(rows[-1], flush=True)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, data_dir, domain_study, last_eval, run_simulate, write_results  # noqa: E402
+from common import RESULTS, data_dir, domain_study, final_scores, run_simulate, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedbiot", "fedot", "localot", "fedavg", "fednest", "lfednest")
@@ -59,17 +58,16 @@ def main() -> None:
             hyperparameters=bilevel if "nest" in alg else {},
         )
         rows = run_simulate(cfg, args.out / alg)  # resumable: a finished algorithm is read back
-        cross = [r for r in rows if r["type"] == "cross"][-1]
-        matrix = cross["matrix"]
+        scores = final_scores(rows)
         results[alg] = {
-            "matrix": matrix,
-            "matched_nll": sum(matrix[i][i] for i in range(len(matrix))) / len(matrix),
-            "delta_cross": cross["delta_cross"],
-            "mean_nll_global": mean(r["nll_global"] for r in last_eval(rows)),
+            "matrix": scores["matrix"],
+            "matched_nll": scores["matched_nll"],
+            "delta_cross": scores["delta_cross"],
+            "mean_nll_global": scores["nll_global"],
             "bytes_up_per_round": sum(r["bytes_up"] for r in rows if r["type"] == "round") / args.rounds,
             "round_wall_s": sum(r["wall_s"] for r in rows if r["type"] == "round"),
         }
-        print(f"{alg}: matched NLL {results[alg]['matched_nll']:.4f}, Δcross {cross['delta_cross']:.4f}", flush=True)
+        print(f"{alg}: matched NLL {results[alg]['matched_nll']:.4f}, Δcross {scores['delta_cross']:.4f}", flush=True)
     from ciders_cloud.report import report
 
     plots = report([args.out / alg for alg in results], RESULTS / "protocol_b")

@@ -16,7 +16,7 @@ from pathlib import Path
 from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, data_dir, last_eval, run_simulate, write_results  # noqa: E402
+from common import RESULTS, data_dir, final_scores, run_simulate, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -75,17 +75,18 @@ def _cell(x) -> str:
 
 def _row(alpha: str, alg: str, rows: list[dict], rounds: int) -> dict:
     last = [r for r in rows if r["type"] == "client" and r["round"] == rounds - 1]
+    scores = final_scores(rows)
     return {
         "dirichlet": alpha,
         "algorithm": alg,
-        "nll_personal": mean(r["nll_personal"] for r in last_eval(rows)),
-        "nll_global": mean(r["nll_global"] for r in last_eval(rows)),
+        "nll_personal": scores["nll_personal"],
+        "nll_global": scores["nll_global"],
         "e_rae": mean(r["E-RAE"] for r in last),
         "s_dr": mean(r["S-DR"] for r in last),
         "s_ppr": mean(r["S-PPR"] for r in last),
         "gamma": last[0]["gamma"],
         "ppr": mean(r["PPR"] for r in last),  # measured, against S-PPR's prediction
-        "delta_cross": [r for r in rows if r["type"] == "cross"][-1]["delta_cross"],
+        "delta_cross": scores["delta_cross"],
         "round_wall_s": median(r["wall_s"] for r in rows if r["type"] == "round"),
     }
 
