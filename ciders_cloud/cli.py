@@ -17,6 +17,7 @@ from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
 
 from .config import RunConfig, TakdConfig
+from .fidelity import Fidelity
 from .prepare import distill as distill_run
 from .prepare import prepare as prepare_run
 from .report import report as report_runs
@@ -45,7 +46,12 @@ def prepare(
     profile: Annotated[list[str] | None, typer.Option(help="Device profile (repeatable); one bundle each.")] = None,
     messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a (default: first profile's).")] = None,
     drop_ratio: Annotated[float | None, typer.Option(help="1 - beta (default: first profile's).")] = None,
-    align_steps: Annotated[int | None, typer.Option(help="Bootstrap TAKD steps before round 0 (default 20).")] = None,
+    layer_steps: Annotated[
+        int | None, typer.Option(help="Bootstrap stage 1: layer-wise fits of the layers after each gap (default 200).")
+    ] = None,
+    align_steps: Annotated[
+        int | None, typer.Option(help="Bootstrap stage 2: end-to-end TAKD steps before round 0 (default 60).")
+    ] = None,
     algorithm: Annotated[str | None, typer.Option(help="Strategy the run's rounds follow (default ciders-fo).")] = None,
     client: Annotated[list[str] | None, typer.Option(help="Accepted client id (repeatable; none: any).")] = None,
     takd_lr: Annotated[float | None, typer.Option(help="TAKD learning rate.")] = None,
@@ -63,6 +69,7 @@ def prepare(
             "messenger_depth": messenger_depth,
             "drop_ratio": drop_ratio,
             "public_data": public_data,
+            "layer_steps": layer_steps,
             "align_steps": align_steps,
             "seed": seed,
             "algorithm": algorithm,
@@ -109,6 +116,8 @@ def aggregate(
             f"{', '.join(s['clients'])}; |Δv| {s['v_change']:.3e}, |c| {s['c_norm']:.3e}, "
             f"{s['takd_steps']} TAKD steps; round {s['next_round']} bundles:"
         )
+        if s.get("fidelity"):
+            console.print(f"  AdapEmu fidelity: {Fidelity(**s['fidelity']).describe()}")
         for name, path in s["bundles"].items():
             console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
 
@@ -149,7 +158,8 @@ def simulate(
     profile: Annotated[str | None, typer.Option(help="Device profile of every simulated edge.")] = None,
     messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a.")] = None,
     drop_ratio: Annotated[float | None, typer.Option(help="1 - beta.")] = None,
-    align_steps: Annotated[int | None, typer.Option(help="Bootstrap TAKD steps.")] = None,
+    layer_steps: Annotated[int | None, typer.Option(help="Bootstrap stage 1 steps (default: prepare's).")] = None,
+    align_steps: Annotated[int | None, typer.Option(help="Bootstrap stage 2 TAKD steps (default: prepare's).")] = None,
     codec: Annotated[str | None, typer.Option(help="Packet codec: fp32, bf16, int8.")] = None,
     lr: Annotated[float | None, typer.Option(help="Base learning rate eta.")] = None,
     gamma: Annotated[float | None, typer.Option(help="Constant gamma (with --gamma-schedule constant).")] = None,
@@ -178,6 +188,7 @@ def simulate(
             "profile": profile,
             "messenger_depth": messenger_depth,
             "drop_ratio": drop_ratio,
+            "layer_steps": layer_steps,
             "align_steps": align_steps,
             "codec": codec,
             "gamma_schedule": gamma_schedule,
@@ -279,12 +290,20 @@ def _render(s: dict) -> None:
     table = Table(title=f"run {s['run']}", show_header=False)
     table.add_row("model", f"{s['model']} ({s['n']} layers, messenger {s['messenger_depth']})")
     table.add_row("kept layers", f"{len(s['kept_layers'])}: {s['kept_layers']}")
+    if s.get("layer_steps"):
+        table.add_row("layer fits", f"{s['layer_steps']} steps")
     if s["takd_first"]:
         first, last = s["takd_first"], s["takd_last"]
-        for k in ("loss", "hidden_mse", "kl", "ce"):
+        for k in ("loss", "hidden", "kl", "ce"):
             table.add_row(f"TAKD {k}", f"{first[k]:.4f} → {last[k]:.4f}  ({s['takd_steps']} steps)")
+    if s.get("fidelity_before"):
+        table.add_row("fidelity before", Fidelity(**s["fidelity_before"]).describe())
+    if s.get("fidelity"):
+        f = {k: v for k, v in s["fidelity"].items() if k != "takd_step"}
+        table.add_row("fidelity" if not s.get("fidelity_before") else "fidelity after", Fidelity(**f).describe())
     for name, path in s["bundles"].items():
-        table.add_row(f"bundle {name}", path)
+        deploy = f" (deploys {s['deploy'][name]})" if s.get("deploy") else ""
+        table.add_row(f"bundle {name}", path + deploy)
     console.print(table)
 
 

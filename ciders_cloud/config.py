@@ -10,29 +10,54 @@ from ciders_edge.lora import LoraSettings
 
 from .strategies import get_strategy
 
-__all__ = ["TakdConfig", "RunConfig"]
+__all__ = ["TakdConfig", "RunConfig", "HIDDEN_LOSSES", "ALIGN_PARAMS"]
+
+HIDDEN_LOSSES = ("relative", "mse")
+ALIGN_PARAMS = ("layers", "lora")
 
 
 @dataclass
 class TakdConfig(ConfigMixin):
-    """Task-aware KD of the learnable backbone (eq. 2)."""
+    """Task-aware KD of the learnable backbone (eq. 2) and prepare's bootstrap.
 
-    lr: float = 5e-4
+    Defaults were chosen by ``benchmarks/emulator_fidelity.py`` on SmolLM2-135M; the paper's loss
+    (raw hidden MSE, lambda_out 0.5, lambda_task 1) is the ``paper`` preset.
+    """
+
+    lr: float = 5e-4  # per-round TAKD of the backbone LoRA (eq. 13)
     batch_size: int = 4
     seq_len: int = 256
-    lambda_out: float = 0.5  # weight of KL(AdapFu || AdapEmu)
-    lambda_task: float = 1.0  # weight of the response-token CE
+    hidden_loss: str = "relative"  # relative: per-token ||h_L - h_F||^2 / ||h_F||^2; mse: the paper's raw form
+    lambda_hidden: float = 1.0
+    lambda_out: float = 1.0  # weight of KL(AdapFu || AdapEmu)
+    lambda_task: float = 0.0  # weight of the response-token CE
     weight_decay: float = 0.0
     clip: float = 1.0
+    # prepare's bootstrap: stage 1 fits each layer after a gap to the layers it replaces, stage 2 is eq. (2)
+    layer_lr: float = 1e-3
+    align_lr: float = 2e-4
+    align_params: str = "layers"  # layers: the weights of the layers after a gap, once; lora: the backbone LoRA
+    holdout: int = 40  # public records never distilled on: the emulator's fidelity is measured on them
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.batch_size <= 0 or self.seq_len <= 0:
+        if min(self.lr, self.layer_lr, self.align_lr) <= 0 or self.batch_size <= 0 or self.seq_len <= 0:
             raise ConfigError(
-                "TAKD `lr`, `batch_size` and `seq_len` must be positive, "
-                f"got {self.lr}, {self.batch_size}, {self.seq_len}."
+                "TAKD learning rates, `batch_size` and `seq_len` must be positive, "
+                f"got {self.lr}, {self.layer_lr}, {self.align_lr}, {self.batch_size}, {self.seq_len}."
             )
-        if self.lambda_out < 0 or self.lambda_task < 0:
-            raise ConfigError(f"TAKD loss weights must not be negative, got {self.lambda_out}, {self.lambda_task}.")
+        if min(self.lambda_hidden, self.lambda_out, self.lambda_task) < 0:
+            raise ConfigError(
+                "TAKD loss weights must not be negative, "
+                f"got {self.lambda_hidden}, {self.lambda_out}, {self.lambda_task}."
+            )
+        if self.hidden_loss not in HIDDEN_LOSSES:
+            raise ConfigError(f"TAKD `hidden_loss` must be one of {', '.join(HIDDEN_LOSSES)}, got {self.hidden_loss!r}")
+        if self.align_params not in ALIGN_PARAMS:
+            raise ConfigError(
+                f"TAKD `align_params` must be one of {', '.join(ALIGN_PARAMS)}, got {self.align_params!r}"
+            )
+        if self.holdout < 0:
+            raise ConfigError(f"TAKD `holdout` must not be negative, got {self.holdout}.")
 
 
 @dataclass
@@ -46,7 +71,8 @@ class RunConfig(ConfigMixin):
     messenger_depth: int = 6
     drop_ratio: float = 0.2
     public_data: str = ""
-    align_steps: int = 20
+    layer_steps: int = 200  # bootstrap stage 1: layer-wise fits of the layers after each gap
+    align_steps: int = 60  # bootstrap stage 2: end-to-end TAKD steps (eq. 2)
     seed: int = 0
     lora: dict = field(default_factory=lambda: LoraSettings().to_dict())
     backbone_lora: dict = field(default_factory=lambda: LoraSettings(rank=8, alpha=16.0, dropout=0.0).to_dict())
@@ -61,8 +87,10 @@ class RunConfig(ConfigMixin):
             raise ConfigError(f"`messenger_depth` must be at least 1, got {self.messenger_depth}.")
         if not 0.0 <= self.drop_ratio < 1.0:
             raise ConfigError(f"`drop_ratio` must be in [0, 1), got {self.drop_ratio}.")
-        if self.align_steps < 0:
-            raise ConfigError(f"`align_steps` must not be negative, got {self.align_steps}.")
+        if self.align_steps < 0 or self.layer_steps < 0:
+            raise ConfigError(
+                f"`align_steps` and `layer_steps` must not be negative, got {self.align_steps}, {self.layer_steps}."
+            )
         if not self.profiles:
             raise ConfigError("at least one device profile is needed.")
         if self.gamma_schedule not in ("constant", "protocol-c"):

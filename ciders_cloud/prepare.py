@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from ciders_edge.atomic import staging_dir, write_json
+from ciders_edge.atomic import staging_dir, write_json, write_safetensors
 from ciders_edge.bundle import Bundle, BundleContents
-from ciders_edge.checksums import sha256_file
-from ciders_edge.data import load_examples
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.lora import peft_config
-from ciders_edge.models import load_tokenizer, resolve_model
+from ciders_edge.models import load_tokenizer, model_revision, resolve_model
 from ciders_edge.profiles import DeviceProfile, estimate_memory, load_profile
+from ciders_edge.progress import console
 
+from .bootstrap import bootstrap
 from .config import RunConfig
+from .fidelity import Fidelity, measure_fidelity
 from .models import CloudModels, build_cloud_models, split_for
 from .state import ServerState
 from .strategies import round_hyperparams_for
-from .takd import Distiller
+from .takd import TERMS, Distiller, public_split
 
 __all__ = [
     "prepare",
@@ -36,16 +37,19 @@ __all__ = [
     "DISTILL_LOG",
     "append_log",
     "bundle_path",
+    "load_cloud_models",
+    "fidelity_record",
 ]
 
 RUN_CONFIG = "run.json"
 STATE_DIR = "server"
 DISTILL_LOG = "distill.jsonl"
+ALIGNED = "aligned_layers.safetensors"  # the AdapEmu layers prepare's bootstrap trained
 BUNDLES_DIR = "bundles"
 
 
 def prepare(run: RunConfig, out: str | Path) -> dict:
-    """Algorithm 1 and the bootstrap TAKD; writes ``out`` with server state and one bundle per profile.
+    """Algorithm 1 and the bootstrap; writes ``out`` with server state and one bundle per profile.
 
     The run folder is built beside ``out`` and renamed into place at the end, so a failure
     leaves nothing behind.
@@ -59,33 +63,37 @@ def prepare(run: RunConfig, out: str | Path) -> dict:
     profiles = [load_profile(p) for p in run.profiles]
     run = run.replace(model_path=str(resolve_model(run.model)))
     split = split_for(run)
-    _check_fits(run, profiles, split)
-    examples = load_examples(run.public_data, load_tokenizer(Path(run.model_path)), run.takd_config.seq_len)
-    run = run.replace(model_revision=_revision(Path(run.model_path)))
+    deploy = _deployments(run, profiles, split)
+    public, held = public_split(run, load_tokenizer(Path(run.model_path)))  # bad data fails before the model loads
+    run = run.replace(model_revision=model_revision(Path(run.model_path)))
 
     models = build_cloud_models(run)
-    distiller = Distiller(models, examples, run.takd_config, seed=run.seed)
-    records = distiller.run(run.align_steps, round_=0, label="bootstrap TAKD") if run.align_steps else []
+    before = measure_fidelity(models, held)
+    records, distiller = bootstrap(models, public, run)
+    fidelity = measure_fidelity(models, held)
+    records.append(fidelity_record(0, distiller.step_count if distiller else 0, fidelity))
     state = ServerState(
         round=0,
         messenger=models.messenger_state(),
         backbone=models.backbone_state(),
         consensus={k: torch.zeros_like(v) for k, v in models.messenger_state().items()},
-        optimizer=distiller.optimizer_state(),
-        takd_step=distiller.step_count,
+        optimizer=distiller.optimizer_state() if distiller else {},
+        takd_step=distiller.step_count if distiller else 0,
     )
     staging = staging_dir(out)
     try:
         write_json(staging / RUN_CONFIG, run.to_dict())
+        write_safetensors(staging / ALIGNED, models.changed_layers())
         state.save(staging / STATE_DIR)
         append_log(staging / DISTILL_LOG, records)
-        bundles = write_bundles(staging, run, models, state, profiles)
+        bundles = write_bundles(staging, run, models, state, profiles, fidelity)
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return _summary(out, run, split, records, {p: out / b.path.relative_to(staging) for p, b in bundles.items()})
+    summary = _summary(out, run, split, records, {p: out / b.path.relative_to(staging) for p, b in bundles.items()})
+    return {**summary, "fidelity_before": before.to_dict() if before else None, "deploy": deploy}
 
 
 def distill(run_dir: str | Path, steps: int) -> dict:
@@ -93,17 +101,25 @@ def distill(run_dir: str | Path, steps: int) -> dict:
     run_dir = Path(run_dir)
     run = load_run(run_dir)
     state = ServerState.load(run_dir / STATE_DIR)
-    models = build_cloud_models(run, state)
-    examples = load_examples(run.public_data, models.tokenizer, run.takd_config.seq_len)
-    distiller = Distiller(models, examples, run.takd_config, state.optimizer, state.takd_step, run.seed)
+    models = load_cloud_models(run_dir, run, state)
+    public, held = public_split(run, models.tokenizer)
+    distiller = Distiller(models, public, run.takd_config, state.optimizer, state.takd_step, run.seed)
     records = distiller.run(steps, round_=state.round, label="TAKD")
+    fidelity = measure_fidelity(models, held)
+    records.append(fidelity_record(state.round, distiller.step_count, fidelity))
     state.backbone = models.backbone_state()
     state.optimizer = distiller.optimizer_state()
     state.takd_step = distiller.step_count
     state.save(run_dir / STATE_DIR)
     append_log(run_dir / DISTILL_LOG, records)
-    bundles = write_bundles(run_dir, run, models, state, [load_profile(p) for p in run.profiles])
+    bundles = write_bundles(run_dir, run, models, state, [load_profile(p) for p in run.profiles], fidelity)
     return _summary(run_dir, run, models.split, records, {p: b.path for p, b in bundles.items()})
+
+
+def load_cloud_models(run_dir: Path, run: RunConfig, state: ServerState) -> CloudModels:
+    """The run's models as the last command left them: source model, aligned layers, LoRA state."""
+    aligned = run_dir / ALIGNED
+    return build_cloud_models(run, state, load_file(aligned) if aligned.is_file() else None)
 
 
 def load_run(run_dir: Path) -> RunConfig:
@@ -118,23 +134,32 @@ def bundle_path(run_dir: Path, profile: str, round_: int) -> Path:
 
 
 def write_bundles(
-    run_dir: Path, run: RunConfig, models: CloudModels, state: ServerState, profiles: list[DeviceProfile]
+    run_dir: Path,
+    run: RunConfig,
+    models: CloudModels,
+    state: ServerState,
+    profiles: list[DeviceProfile],
+    fidelity: Fidelity | None,
 ) -> dict[str, Bundle]:
     """Write round ``state.round``'s bundle for every profile; unchanged files are hard-linked."""
     out = {}
     for profile in profiles:
         path = bundle_path(run_dir, profile.name, state.round)
         previous = _latest_bundle(run_dir / BUNDLES_DIR / profile.name)
-        out[profile.name] = Bundle.save(path, _contents(run, models, state, profile), previous)
+        contents = _contents(run, models, state, profile, fidelity)
+        out[profile.name] = Bundle.save(path, contents, previous)
     return out
 
 
-def _contents(run: RunConfig, models: CloudModels, state: ServerState, profile: DeviceProfile) -> BundleContents:
+def _contents(
+    run: RunConfig, models: CloudModels, state: ServerState, profile: DeviceProfile, fidelity: Fidelity | None
+) -> BundleContents:
     emu = models.emu.get_base_model()
     split = models.split
     hp = round_hyperparams_for(run, state.round).replace(
         batch_size=profile.batch_size, seq_len=profile.seq_len, grad_accum=profile.grad_accum
     )
+    deploy, takd = _deployment(run, profile, split), run.takd_config
     manifest = {
         "round": state.round,
         "base_model": {"id": run.model, "name_or_path": emu.config.name_or_path, "revision": run.model_revision},
@@ -147,7 +172,11 @@ def _contents(run: RunConfig, models: CloudModels, state: ServerState, profile: 
         "profile": profile.to_dict(),
         "hyperparameters": hp.to_dict(),
         "takd_step": state.takd_step,
+        "takd_loss": {k: getattr(takd, k) for k in ("hidden_loss", "lambda_hidden", "lambda_out", "lambda_task")},
+        "fidelity": fidelity.to_dict() if fidelity else None,
+        "deploy_backbone": deploy,
     }
+    full = models.full_backbone() if deploy == "full" else None
     return BundleContents(
         manifest=manifest,
         config=emu.config,
@@ -159,6 +188,8 @@ def _contents(run: RunConfig, models: CloudModels, state: ServerState, profile: 
         backbone_lora=state.backbone,
         backbone_peft_config=peft_config(emu, run.backbone_lora_settings, list(range(split.n_kept))),
         consensus=state.consensus,
+        full_backbone={k: v.to(profile.torch_dtype) for k, v in full.items()} if full is not None else None,
+        full_config=models.teacher.config if full is not None else None,
     )
 
 
@@ -167,20 +198,31 @@ def _latest_bundle(profile_dir: Path) -> Bundle | None:
     return Bundle.load(rounds[-1]) if rounds else None
 
 
-def _check_fits(run: RunConfig, profiles: list[DeviceProfile], split) -> None:
+def _deployments(run: RunConfig, profiles: list[DeviceProfile], split) -> dict[str, str]:
+    """Refuse a profile the AdapEmu does not fit; say which backbone each profile deploys."""
     config = AutoConfig.from_pretrained(run.model_path)
+    out = {}
     for p in profiles:
         est = estimate_memory(config, split.emu_layers, split.a, p)
         if not est.fits:
             raise ConfigError(f"model {run.model} does not fit profile {p.name}: {est.describe()}")
+        out[p.name] = _deployment(run, p, split, config)
+        if p.backbone == "full" and out[p.name] == "emu":
+            full = estimate_memory(config, split.n, split.a, p)
+            console.print(f"[yellow]note:[/] profile {p.name} deploys the AdapEmu: the full model {full.describe()}")
+    return out
 
 
-def _revision(path: Path) -> str:
-    """A content hash of the source model: config plus every weight file."""
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(sha256_file(f).encode())
-    return h.hexdigest()
+def _deployment(run: RunConfig, profile: DeviceProfile, split, config=None) -> str:
+    """``full`` when the profile asks for it and the full model fits its memory budget, else ``emu``."""
+    if profile.backbone == "emu":
+        return "emu"
+    config = config or AutoConfig.from_pretrained(run.model_path)
+    return "full" if estimate_memory(config, split.n, split.a, profile).fits else "emu"
+
+
+def fidelity_record(round_: int, takd_step: int, fidelity: Fidelity | None) -> dict:
+    return {"type": "fidelity", "round": round_, "takd_step": takd_step, **(fidelity.to_dict() if fidelity else {})}
 
 
 def append_log(path: Path, records: list[dict]) -> None:
@@ -192,15 +234,19 @@ def append_log(path: Path, records: list[dict]) -> None:
 
 
 def _summary(run_dir: Path, run: RunConfig, split, records: list[dict], bundles: dict[str, Path]) -> dict:
-    first, last = (records[0], records[-1]) if records else ({}, {})
+    steps = [r for r in records if r["type"] in ("takd", "align")]
+    first, last = (steps[0], steps[-1]) if steps else ({}, {})
+    fidelity = next((r for r in reversed(records) if r["type"] == "fidelity"), {})
     return {
         "run": str(run_dir),
         "model": run.model,
         "n": split.n,
         "messenger_depth": split.a,
         "kept_layers": split.kept,
-        "takd_steps": len(records),
-        "takd_first": {k: first.get(k) for k in ("loss", "hidden_mse", "kl", "ce")} if first else None,
-        "takd_last": {k: last.get(k) for k in ("loss", "hidden_mse", "kl", "ce")} if last else None,
+        "layer_steps": sum(r["type"] == "layer" for r in records),
+        "takd_steps": len(steps),
+        "takd_first": {k: first.get(k) for k in TERMS} if first else None,
+        "takd_last": {k: last.get(k) for k in TERMS} if last else None,
+        "fidelity": {k: v for k, v in fidelity.items() if k not in ("type", "round")} or None,
         "bundles": {k: str(v) for k, v in bundles.items()},
     }

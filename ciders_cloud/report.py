@@ -123,9 +123,9 @@ def _summary(data: dict, labels: dict) -> str:
     lines = [
         "# CIDERS simulation report",
         "",
-        "| run | rounds | final NLL personalized | final NLL global | Δcross | bytes up / round | "
-        "bytes down / client / round | wall s / round |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | rounds | round-0 AdapEmu NLL | final NLL personalized | final NLL global | "
+        "AdapFu NLL personalized | Δcross | bytes up / round | bytes down / client / round | wall s / round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, rows in data.items():
         evals = [r for r in rows if r["type"] == "eval"]
@@ -135,9 +135,10 @@ def _summary(data: dict, labels: dict) -> str:
         cross = [r for r in rows if r["type"] == "cross"]
         dc = cross[-1]["delta_cross"] if cross and cross[-1]["delta_cross"] is not None else float("nan")
 
+        baseline = [r for r in rows if r["type"] == "baseline"]
         lines.append(
-            f"| {labels[run]} | {len(rounds)} | {_mean(final, 'nll_personal')} | {_mean(final, 'nll_global')} | "
-            f"{dc:.4f} | "
+            f"| {labels[run]} | {len(rounds)} | {_mean(baseline, 'nll_emu')} | {_mean(final, 'nll_personal')} | "
+            f"{_mean(final, 'nll_global')} | {_mean(final, 'nll_full_personal')} | {dc:.4f} | "
             f"{mean(r['bytes_up'] for r in rounds):,.0f} | {mean(r['bytes_down'] for r in rounds):,.0f} | "
             f"{mean(r['wall_s'] for r in rounds):.1f} |"
         )
@@ -146,4 +147,5 @@ def _summary(data: dict, labels: dict) -> str:
 
 
 def _mean(rows: list[dict], key: str) -> str:
-    return f"{mean(r[key] for r in rows):.4f}" if rows else "-"
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return f"{mean(values):.4f}" if values else "-"

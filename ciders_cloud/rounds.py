@@ -18,7 +18,6 @@ import torch
 from ciders_edge.atomic import write_safetensors
 from ciders_edge.bundle import Bundle
 from ciders_edge.config import RoundHyperparams
-from ciders_edge.data import load_examples
 from ciders_edge.errors import PacketError
 from ciders_edge.local import mean_lr_multiplier
 from ciders_edge.packet import Packet
@@ -29,11 +28,20 @@ from ciders_edge.update import Tensors, add, norm
 from .aggregation import participation_weights, reconstruct_displacement, weighted_sum
 from .bilevel import cloud_indirect_term
 from .config import RunConfig
-from .models import build_cloud_models
-from .prepare import DISTILL_LOG, STATE_DIR, append_log, bundle_path, load_run, write_bundles
+from .fidelity import measure_fidelity
+from .prepare import (
+    DISTILL_LOG,
+    STATE_DIR,
+    append_log,
+    bundle_path,
+    fidelity_record,
+    load_cloud_models,
+    load_run,
+    write_bundles,
+)
 from .state import ServerState
 from .strategies import get_strategy, round_hyperparams_for
-from .takd import Distiller
+from .takd import Distiller, public_split
 
 __all__ = [
     "aggregate_packets",
@@ -141,7 +149,7 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     strategy = get_strategy(run.algorithm)
     deltas, new_clients = _reconstruct(received, state, hp)  # (11)
     weights = participation_weights([r.packet.num_examples for r in received])
-    models = build_cloud_models(run, state)
+    models = load_cloud_models(run_dir, run, state)
     bilevel = {}
     if hp.send_grad_y:  # LFedNest: the hypergradient's indirect term, at the round's (x, y)
         grad_y = weighted_sum([r.packet.tensors for r in received], weights, state.backbone)
@@ -149,7 +157,7 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]  # as if added to every local step
     v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12)
     models.load_messenger(v)
-    records, optimizer, takd_step = _distill(models, run, state, *strategy.takd(hp))  # (13)
+    records, optimizer, takd_step, fidelity = _distill(models, run, state, *strategy.takd(hp))  # (13)
 
     summary = {
         "round": state.round,
@@ -163,6 +171,7 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         "c_norm": norm(c),
         "takd_steps": len(records),
         "takd_last": records[-1] if records else None,
+        "fidelity": fidelity.to_dict() if fidelity else None,
         "bilevel": bilevel,
     }
     new = ServerState(
@@ -177,12 +186,12 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         last_round_digests=digests,
         last_summary=summary,
     )
-    bundles = write_bundles(run_dir, run, models, new, [load_profile(p) for p in run.profiles])
+    bundles = write_bundles(run_dir, run, models, new, [load_profile(p) for p in run.profiles], fidelity)
     summary["bundles"] = {k: str(b.path) for k, b in bundles.items()}
     summary["bytes_down"] = {k: b.new_bytes for k, b in bundles.items()}
     new.last_summary = summary
     new.save(run_dir / STATE_DIR)  # the commit point
-    append_log(run_dir / DISTILL_LOG, records)
+    append_log(run_dir / DISTILL_LOG, records + [fidelity_record(state.round + 1, takd_step, fidelity)])
     return summary
 
 
@@ -217,7 +226,7 @@ def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict
     grads = [r.packet.tensors for r in received]
     grad_x = weighted_sum(grads, weights, state.messenger)
     grad_y = weighted_sum(grads, weights, state.backbone)
-    q, info = cloud_indirect_term(build_cloud_models(run, state), run, state, hp, grad_y)
+    q, info = cloud_indirect_term(load_cloud_models(run_dir, run, state), run, state, hp, grad_y)
     h = add(grad_x, q)
     path = hypergradient_path(run_dir, state.round)
     write_safetensors(path, h, {"round": str(state.round)})
@@ -245,11 +254,12 @@ def _reconstruct(received: list[Received], state: ServerState, hp) -> tuple[list
 
 
 def _distill(models, run: RunConfig, state: ServerState, steps: int, lambda_task: float | None):
-    """Eq. (13): T_L warm-started TAKD steps with the new messenger held fixed (none for some baselines)."""
+    """Eq. (13): T_L warm-started TAKD steps with the new messenger held fixed (none for some baselines),
+    then the emulator's fidelity to AdapFu under that messenger."""
+    public, held = public_split(run, models.tokenizer)
     if not steps:
-        return [], state.optimizer, state.takd_step
+        return [], state.optimizer, state.takd_step, measure_fidelity(models, held)
     takd = run.takd_config.replace(lambda_task=lambda_task)
-    examples = load_examples(run.public_data, models.tokenizer, takd.seq_len)
-    distiller = Distiller(models, examples, takd, state.optimizer, state.takd_step, run.seed)
+    distiller = Distiller(models, public, takd, state.optimizer, state.takd_step, run.seed)
     records = distiller.run(steps, round_=state.round, label=f"round {state.round} TAKD")
-    return records, distiller.optimizer_state(), distiller.step_count
+    return records, distiller.optimizer_state(), distiller.step_count, measure_fidelity(models, held)

@@ -27,7 +27,7 @@ from ciders_edge.train import probe_files, train_files
 
 from .config import RunConfig, TakdConfig
 from .diagnostics import client_diagnostics
-from .evaluation import evaluate_round
+from .evaluation import evaluate_baseline, evaluate_round
 from .partition import partition
 from .prepare import bundle_path, load_run, prepare
 from .rounds import aggregate_files, hypergradient_packets
@@ -61,7 +61,8 @@ class SimConfig(ConfigMixin):
     profile: str = "cpu-laptop"
     messenger_depth: int | None = None
     drop_ratio: float | None = None
-    align_steps: int = 5
+    layer_steps: int | None = None  # prepare's bootstrap (None: the defaults of `prepare`)
+    align_steps: int | None = None
     codec: str = "fp32"
     gamma_schedule: str = "constant"
     hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
@@ -93,6 +94,7 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
     strategy = get_strategy(cfg.algorithm)
     last_eval: dict = {}
     down = Bundle.load(bundle_path(run_dir, cfg.profile, 0)).delta_bytes(None)  # round 0: the whole bundle
+    _append(out / METRICS, evaluate_baseline(bundle_path(run_dir, cfg.profile, 0), out, ids, domains, cfg))
     for t in range(cfg.rounds):
         started = time.perf_counter()
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
@@ -255,7 +257,7 @@ def _run_config(cfg: SimConfig, ids: list[str], data_root: Path) -> RunConfig:
         messenger_depth=cfg.messenger_depth if cfg.messenger_depth is not None else prof.messenger_depth,
         drop_ratio=cfg.drop_ratio if cfg.drop_ratio is not None else prof.drop_ratio,
         public_data=cfg.public_data or str(data_root / "public.jsonl"),
-        align_steps=cfg.align_steps,
+        **{k: getattr(cfg, k) for k in ("layer_steps", "align_steps") if getattr(cfg, k) is not None},
         takd=TakdConfig().replace(**cfg.takd).to_dict(),
         hyperparameters=hp.to_dict(),
         algorithm=cfg.algorithm,

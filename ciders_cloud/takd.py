@@ -1,7 +1,9 @@
 """Task-aware knowledge distillation of the learnable backbone (eq. 2).
 
-Only the backbone LoRA trains; the messenger (with the global LoRA v) is held fixed and is used
-both on top of the full backbone (AdapFu, the teacher) and of the learnable one (AdapEmu).
+The messenger (with the global LoRA v) is held fixed and runs on top of both the full backbone
+(AdapFu, the teacher) and the learnable one (AdapEmu, the student). What trains is a list of
+parameters: the backbone LoRA each round (eq. 13), or the weights of the layers after each gap
+during prepare's bootstrap (:mod:`.bootstrap`).
 """
 
 from __future__ import annotations
@@ -12,17 +14,35 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from ciders_edge.assembly import backbone_hidden, messenger_logits
-from ciders_edge.data import IGNORE, Example, batch_stream
+from ciders_edge.data import IGNORE, Example, batch_stream, load_examples
 from ciders_edge.lora import BACKBONE, lora_parameters, set_trainable
 from ciders_edge.progress import progress_bar
 
-from .config import TakdConfig
+from .config import RunConfig, TakdConfig
 from .models import CloudModels
 from .state import optimizer_from_tensors, optimizer_to_tensors
 
-__all__ = ["takd_loss", "takd_terms", "Distiller"]
+__all__ = ["hidden_term", "takd_loss", "takd_terms", "Distiller", "public_split", "TERMS"]
+
+TERMS = ("loss", "hidden", "kl", "ce")
+
+
+def hidden_term(h_student: Tensor, h_teacher: Tensor, form: str = "relative") -> Tensor:
+    """The hidden-state term ``||h_L - h_F||^2`` at N tokens (N, H).
+
+    ``relative`` (default): the mean over tokens of ``||h_L - h_F||^2 / ||h_F||^2``. Every token counts
+    alike and the term has no scale (0: exact, 1: as far off as a zero vector), so it sits beside the
+    KL in nats. SmolLM2's residual stream has a few massive dimensions (norm ~25,000 on the first
+    token against ~300 elsewhere): in the raw form that one token is the whole term, 10^4 times the KL.
+    ``mse``: the paper's raw squared error, averaged per element.
+    """
+    if form == "mse":
+        return F.mse_loss(h_student, h_teacher)
+    err = (h_student.float() - h_teacher.float()).pow(2).sum(-1)
+    return (err / h_teacher.float().pow(2).sum(-1).clamp_min(1e-12)).mean()
 
 
 def takd_loss(
@@ -31,18 +51,20 @@ def takd_loss(
     logits_student: Tensor,
     logits_teacher: Tensor,
     targets: Tensor,
+    *,
     lambda_out: float,
     lambda_task: float,
+    lambda_hidden: float = 1.0,
+    hidden_loss: str = "relative",
 ) -> dict[str, Tensor]:
-    """Eq. (2): ||h_L - h_F||^2 + lambda_out * KL(AdapFu || AdapEmu) + lambda_task * CE(AdapEmu, y).
+    """Eq. (2): lambda_hidden ||h_L - h_F||^2 + lambda_out KL(AdapFu || AdapEmu) + lambda_task CE(AdapEmu, y).
 
     Args:
-        h_student, h_teacher: hidden states entering the messenger at the valid tokens (N, H);
-            the squared norm is averaged per element so the term does not scale with H.
+        h_student, h_teacher: hidden states entering the messenger at the valid tokens (N, H).
         logits_student, logits_teacher: next-token logits at the same tokens (N, V).
         targets: next tokens (N,), ``IGNORE`` outside responses (no CE there).
     """
-    hidden_mse = F.mse_loss(h_student, h_teacher)
+    hidden = hidden_term(h_student, h_teacher, hidden_loss)
     kl = F.kl_div(
         F.log_softmax(logits_student.float(), -1),
         F.log_softmax(logits_teacher.float(), -1),
@@ -51,13 +73,13 @@ def takd_loss(
     )
     resp = targets != IGNORE
     ce = F.cross_entropy(logits_student[resp].float(), targets[resp]) if resp.any() else kl.new_zeros(())
-    loss = hidden_mse + lambda_out * kl + lambda_task * ce
-    return {"loss": loss, "hidden_mse": hidden_mse, "kl": kl, "ce": ce}
+    loss = lambda_hidden * hidden + lambda_out * kl + lambda_task * ce
+    return {"loss": loss, "hidden": hidden, "kl": kl, "ce": ce}
 
 
 def takd_terms(models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -> dict[str, Tensor]:
-    """Eq. (2) on one batch, differentiable in whichever LoRA requires grad (the teacher's
-    messenger is the AdapEmu's, so the loss depends on the messenger LoRA through both sides)."""
+    """Eq. (2) on one batch, differentiable in whatever requires grad (the teacher's messenger is the
+    AdapEmu's, so the loss depends on the messenger LoRA through both sides)."""
     m, split = models, models.split
     ids, mask = batch["input_ids"], batch["attention_mask"]
     valid = torch.nonzero(mask[:, :-1].bool(), as_tuple=True)  # tokens that predict a next one
@@ -67,11 +89,38 @@ def takd_terms(models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -
     logits_t = messenger_logits(m.emu, h_full, ctx_full, split.n_kept, valid)  # AdapFu
     h_emu, ctx = backbone_hidden(m.emu, ids, mask, split.n_kept)
     logits_s = messenger_logits(m.emu, h_emu, ctx, split.n_kept, valid)  # AdapEmu
-    return takd_loss(h_emu[valid], h_full[valid], logits_s, logits_t, targets, cfg.lambda_out, cfg.lambda_task)
+    return takd_loss(
+        h_emu[valid],
+        h_full[valid],
+        logits_s,
+        logits_t,
+        targets,
+        lambda_out=cfg.lambda_out,
+        lambda_task=cfg.lambda_task,
+        lambda_hidden=cfg.lambda_hidden,
+        hidden_loss=cfg.hidden_loss,
+    )
+
+
+def public_split(run: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[Example], list[Example]]:
+    """The public data as (TAKD's records, the held-out records fidelity is measured on).
+
+    A seeded draw, the same in every command of a run, so no held-out record is ever distilled on.
+    At most a fifth of the records are held out.
+    """
+    cfg = run.takd_config
+    examples = load_examples(run.public_data, tokenizer, cfg.seq_len)
+    held = set(random.Random(f"holdout:{run.seed}").sample(range(len(examples)), min(cfg.holdout, len(examples) // 5)))
+    train = [e for i, e in enumerate(examples) if i not in held]
+    return train, [e for i, e in enumerate(examples) if i in held]
 
 
 class Distiller:
-    """Warm-startable TAKD: the step counter drives the data order, so a resumed run continues it."""
+    """Warm-startable TAKD: the step counter drives the data order, so a resumed run continues it.
+
+    ``params`` defaults to the backbone LoRA (the per-round TAKD); its AdamW moments are what
+    :meth:`optimizer_state` returns for the server state.
+    """
 
     def __init__(
         self,
@@ -81,10 +130,12 @@ class Distiller:
         optimizer_state: dict[str, Tensor] | None = None,
         step: int = 0,
         seed: int = 0,
+        params: list[torch.nn.Parameter] | None = None,
+        lr: float | None = None,
     ) -> None:
         self.models, self.cfg, self.step_count = models, cfg, step
-        self.params = list(lora_parameters(models.emu, BACKBONE).values())
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.params = params if params is not None else list(lora_parameters(models.emu, BACKBONE).values())
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr or cfg.lr, weight_decay=cfg.weight_decay)
         optimizer_from_tensors(self.optimizer, optimizer_state or {})
         pad = models.tokenizer.pad_token_id
         self.batches: Iterator[dict[str, Tensor]] = batch_stream(
@@ -92,28 +143,31 @@ class Distiller:
         )
 
     def step(self) -> dict[str, float]:
-        m = self.models
-        set_trainable(m.emu, BACKBONE)  # the messenger (and so the teacher's logits) has no graph
-        terms = takd_terms(m, next(self.batches), self.cfg)
+        set_trainable(self.models.emu, None)  # the messenger (and so the teacher's logits) has no graph
+        for p in self.params:
+            p.requires_grad_(True)
+        terms = takd_terms(self.models, next(self.batches), self.cfg)
         self.optimizer.zero_grad(set_to_none=True)
         terms["loss"].backward()
         if self.cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip)
         self.optimizer.step()
-        set_trainable(m.emu, None)
+        for p in self.params:
+            p.requires_grad_(False)
+            p.grad = None
         self.step_count += 1
         return {k: float(v.detach()) for k, v in terms.items()}
 
-    def run(self, steps: int, round_: int = 0, label: str = "TAKD") -> list[dict]:
-        """Run ``steps`` steps with a progress bar; returns each step's loss terms."""
+    def run(self, steps: int, round_: int = 0, label: str = "TAKD", kind: str = "takd") -> list[dict]:
+        """Run ``steps`` steps with a progress bar; returns each step's loss terms (``type`` = ``kind``)."""
         records = []
         with progress_bar() as bar:
             task = bar.add_task(label, total=steps, metrics="")
             for _ in range(steps):
-                rec = {"round": round_, "step": self.step_count + 1, **self.step()}
+                rec = {"type": kind, "round": round_, "step": self.step_count + 1, **self.step()}
                 records.append(rec)
                 bar.update(
-                    task, advance=1, metrics=f"loss {rec['loss']:.3f}  mse {rec['hidden_mse']:.4f}  kl {rec['kl']:.3f}"
+                    task, advance=1, metrics=f"loss {rec['loss']:.3f}  hidden {rec['hidden']:.4f}  kl {rec['kl']:.3f}"
                 )
         return records
 

@@ -22,6 +22,7 @@ __all__ = [
     "backbone_hidden",
     "messenger_logits",
     "run_layers",
+    "layer_outputs",
     "response_positions",
 ]
 
@@ -82,6 +83,19 @@ def backbone_hidden(
     embeds = decoder_of(model).embed_tokens(input_ids)
     ctx = make_context(model, embeds, attention_mask)
     return run_layers(model, embeds, ctx, 0, n_layers), ctx
+
+
+def layer_outputs(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, n_layers: int
+) -> tuple[list[Tensor], Context]:
+    """The residual stream after each of the first ``n_layers`` layers: ``out[i]`` follows ``i`` layers
+    (``out[0]`` is the embedding), for fitting one layer at a time against a teacher."""
+    hidden = decoder_of(model).embed_tokens(input_ids)
+    ctx = make_context(model, hidden, attention_mask)
+    out = [hidden]
+    for i in range(n_layers):
+        out.append(run_layers(model, out[-1], ctx, i, i + 1))
+    return out, ctx
 
 
 def messenger_logits(

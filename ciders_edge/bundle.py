@@ -34,6 +34,8 @@ BACKBONE_ADAPTER_DIR = "backbone_adapter"  # learnable-backbone LoRA from TAKD, 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 CONSENSUS_FILE = "consensus.safetensors"
+FULL_DIR = "full_backbone"  # the source layers AdapFu needs beyond backbone.safetensors, and the source config
+FULL_WEIGHTS = f"{FULL_DIR}/model.safetensors"
 
 
 def producer_versions() -> dict[str, str]:
@@ -62,6 +64,8 @@ class BundleContents:
     backbone_lora: dict[str, torch.Tensor]
     backbone_peft_config: object
     consensus: dict[str, torch.Tensor]
+    full_backbone: dict[str, torch.Tensor] | None = None  # source layers by source name (profiles deploying AdapFu)
+    full_config: object | None = None  # the source model's config
 
 
 class Bundle:
@@ -159,6 +163,18 @@ class Bundle:
     def consensus(self) -> dict[str, torch.Tensor]:
         return self.tensors(CONSENSUS_FILE)
 
+    @property
+    def has_full_backbone(self) -> bool:
+        return FULL_WEIGHTS in self.manifest["files"]
+
+    @property
+    def full_digest(self) -> str:
+        """What a personalized messenger runs on under AdapFu: the source model, the split and the
+        messenger's shape; the same in every bundle of a run, whatever TAKD did."""
+        m = self.manifest
+        key = [m["base_model"]["revision"], m["split"], m["lora"], m["files"].get(MESSENGER_FILE)]
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
 
 def _validate_manifest(m: object, where: Path) -> None:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -187,6 +203,10 @@ def _write_contents(d: Path, c: BundleContents) -> None:
         write_safetensors(d / sub / PEFT_WEIGHTS, state)
         write_json(d / sub / PEFT_CONFIG, _peft_config_dict(cfg))
     write_safetensors(d / CONSENSUS_FILE, c.consensus)
+    if c.full_backbone is not None:
+        write_safetensors(d / FULL_WEIGHTS, c.full_backbone)
+        c.full_config.save_pretrained(d / FULL_DIR)
+        fsync_dir(d / FULL_DIR)
     fsync_dir(d)
 
 

@@ -12,11 +12,12 @@ import typer
 from rich.table import Table
 
 from .bundle import Bundle
-from .cli_utils import JsonOpt, run_command
+from .cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, run_command
 from .data import read_jsonl
 from .errors import ConfigError
 from .generation import GenerationSettings
 from .infer import answer, answer_file
+from .personalize import resolve_backbone
 from .profiles import GIB, detect_profile, list_profiles, load_profile
 from .progress import LazyBar, console, status
 from .runtime import open_runtime
@@ -183,6 +184,8 @@ def infer(
     use_global: Annotated[bool, typer.Option("--global", help="Run the bundle's global messenger.")] = False,
     runtime: Annotated[str | None, typer.Option(help="torch or onnx (default: the export's, else torch).")] = None,
     profile: Annotated[str | None, typer.Option(help="Device profile: dtype, device, ONNX providers.")] = None,
+    backbone: BackboneOpt = None,
+    base_model: BaseModelOpt = None,
     stream: Annotated[bool, typer.Option(help="Print the answer as it is generated.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
@@ -205,7 +208,16 @@ def infer(
         settings = GenerationSettings(max_new_tokens, temperature, top_p, seed)
         prof = load_profile(profile) if profile else None
         with status("loading the model"):
-            rt = open_runtime(runtime, bundle=bundle, state=state, export=export, use_global=use_global, profile=prof)
+            rt = open_runtime(
+                runtime,
+                bundle=bundle,
+                state=state,
+                export=export,
+                use_global=use_global,
+                profile=prof,
+                backbone=backbone,
+                base_model=base_model,
+            )
         summary = {"runtime": rt.name, "providers": rt.providers, "source": rt.source}
         if prompt is not None:
             g = answer(rt, prompt, settings, _print_text if stream else None)
@@ -225,11 +237,118 @@ def infer(
             if src["messenger"] == "personalized"
             else (f"global messenger round {src['round']}")
         )
+        who += ", AdapFu" if src.get("backbone") == "full" else ", AdapEmu"
         what = f"{s['new_tokens']} tokens" if "text" in s else f"{s['answers']} answers → {s['output']}"
         rate = f", {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] is not None else ""
         console.print(f"[dim]{what}, first token {s['first_token_s']:.2f} s{rate} ({s['runtime']}, {who})[/]")
 
     run_command(body, as_json, render)
+
+
+@app.command()
+def evaluate(
+    bundle: Annotated[Path, typer.Option(help="Bundle folder.")],
+    data: Annotated[list[Path], typer.Option("--data", help="Evaluation JSONL (repeatable: one per --state).")],
+    state: Annotated[
+        list[Path] | None, typer.Option("--state", help="Client state whose personalized messenger is scored.")
+    ] = None,
+    backbone: BackboneOpt = None,
+    base_model: BaseModelOpt = None,
+    use_global: Annotated[bool, typer.Option("--global", help="Score the bundle's global messenger.")] = False,
+    base: Annotated[bool, typer.Option("--base", help="Score the messenger layers without LoRA.")] = False,
+    compare: Annotated[
+        bool,
+        typer.Option(help="Score the base model, the AdapEmu (global, personalized) and AdapFu (personalized)."),
+    ] = False,
+    limit: Annotated[int | None, typer.Option(help="Score only the first N records of each file.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens per generated answer.")] = 64,
+    profile: Annotated[str | None, typer.Option(help="Device profile: dtype and device.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Score messengers on your data: response NLL, exact match (records with `answer`), ROUGE-L (with `response`)."""
+    from .evaluate import COMPARE, evaluate_models
+
+    def body() -> dict:
+        states = list(state or [])
+        if states and len(states) != len(data):
+            raise ConfigError(f"pass one --data per --state (got {len(data)} --data for {len(states)} --state)")
+        if use_global + base + compare > 1:
+            raise ConfigError("pass at most one of --global, --base and --compare")
+        if limit is not None and limit <= 0:
+            raise ConfigError(f"--limit must be positive, got {limit}")
+        b = Bundle.load(bundle)
+        if compare:
+            models = list(COMPARE)
+        else:
+            messenger = "global" if use_global else "base" if base else "personalized"
+            models = [(resolve_backbone(b, backbone), messenger)]
+        if any(m == "personalized" for _, m in models) and not states:
+            raise ConfigError("pass --state (the personalized messenger), or --global / --base")
+        edges = list(zip(states, data, strict=True)) if states else [(None, d) for d in data]
+        prof = load_profile(profile) if profile else None
+        with LazyBar("scoring") as bar:
+            rows = evaluate_models(
+                b,
+                edges,
+                models,
+                dtype=prof.torch_dtype if prof else None,
+                base_model=base_model,
+                limit=limit,
+                max_new_tokens=max_new_tokens,
+                on_progress=lambda label, i, n: bar.update(n, f"{label} {i}/{n}", completed=i),
+            )
+        return {"bundle": str(b.path), "round": b.round, "results": rows, "skipped": _skipped(rows)}
+
+    run_command(body, as_json, _render_evaluate)
+
+
+def _skipped(rows: list[dict]) -> list[str]:
+    """One note per file on records that could not be scored by some measure."""
+    notes = {}
+    for r in rows:
+        c = r["counts"]
+        missing = [
+            f"{c['records'] - c[k]} without {what} ({label} over {c[k]})"
+            for k, what, label in (
+                ("nll", "a response", "NLL"),
+                ("exact_match", "an `answer`", "exact match"),
+                ("rouge_l", "a `response`", "ROUGE-L"),
+            )
+            if c[k] < c["records"]
+        ]
+        if missing:
+            notes[r["data"]] = f"{r['data']}: {c['records']} records, " + "; ".join(missing)
+    return list(notes.values())
+
+
+def _render_evaluate(s: dict) -> None:
+    names = {"base": "base model", "global": "global messenger", "personalized": "personalized messenger"}
+    files = list(dict.fromkeys(r["data"] for r in s["results"]))
+    table = Table("model", *(f"{Path(f).parent.name}/{Path(f).name}" for f in files), title=f"{s['bundle']}")
+    for key in dict.fromkeys((r["backbone"], r["messenger"]) for r in s["results"]):
+        backbone, messenger = key
+        label = f"{'AdapFu' if backbone == 'full' else 'AdapEmu'}, {names[messenger]}"
+        if key == ("full", "base"):
+            label = "base model"
+        cells = []
+        for f in files:
+            r = next(r for r in s["results"] if (r["backbone"], r["messenger"]) == key and r["data"] == f)
+            cells.append(_cell(r))
+        table.add_row(label, *cells)
+    console.print(table)
+    for note in s["skipped"]:
+        console.print(f"[dim]note: {note}[/]", highlight=False)
+
+
+def _cell(r: dict) -> str:
+    parts = []
+    if r["exact_match"] is not None:
+        parts.append(f"EM {r['exact_match']:.0%}")
+    if r["nll"] is not None:
+        parts.append(f"NLL {r['nll']:.3f}")
+    if r["rouge_l"] is not None and r["exact_match"] is None:
+        parts.append(f"ROUGE-L {r['rouge_l']:.3f}")
+    return "  ".join(parts) or "—"
 
 
 @app.command()

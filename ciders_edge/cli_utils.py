@@ -14,9 +14,17 @@ import typer
 from .errors import CidersError
 from .progress import console
 
-__all__ = ["run_command", "quiet_libraries", "JsonOpt"]
+__all__ = ["run_command", "quiet_libraries", "JsonOpt", "BackboneOpt", "BaseModelOpt"]
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
+BackboneOpt = Annotated[
+    str | None,
+    typer.Option(help="full (AdapFu: the messenger on the full backbone) or emu (the AdapEmu); default: the bundle's."),
+]
+BaseModelOpt = Annotated[
+    str | None,
+    typer.Option(help="With --backbone full: a local copy of the base model (checked against the bundle's hash)."),
+]
 
 
 def quiet_libraries() -> None:

@@ -11,21 +11,36 @@ from transformers.modeling_utils import no_init_weights
 
 from .bundle import Bundle
 from .errors import BundleError
-from .lora import BACKBONE, MESSENGER, LoraSettings, attach_lora, load_lora_state, peft_config
+from .lora import (
+    BACKBONE,
+    MESSENGER,
+    LoraSettings,
+    attach_lora,
+    copy_into,
+    load_lora_state,
+    lora_parameters,
+    peft_config,
+)
 from .profiles import DTYPES
-from .split import SplitSpec
+from .split import SplitSpec, shift_layers
 
 __all__ = ["EdgeModel", "load_edge_model"]
 
 
 @dataclass
 class EdgeModel:
-    """What the edge runtime works with."""
+    """What the edge runtime works with: the AdapEmu, or AdapFu (:mod:`.adapfu`)."""
 
-    model: PeftModel  # AdapEmu with the messenger LoRA as adapter ``messenger``
-    split: SplitSpec
+    model: PeftModel  # the backbone, then the messenger layers with the messenger LoRA as adapter ``messenger``
+    split: SplitSpec  # for AdapFu every backbone layer is kept: the messenger starts at n - a
     tokenizer: PreTrainedTokenizerBase
     bundle: Bundle
+    backbone: str = "emu"  # emu (the learnable backbone) | full (AdapFu)
+    messenger_offset: int = 0  # where this model's messenger layers sit relative to the AdapEmu's
+
+    def use_messenger(self, x: dict[str, torch.Tensor]) -> None:
+        """Load messenger LoRA ``x`` (global v or a personalized x_K, keyed as in the AdapEmu)."""
+        copy_into(lora_parameters(self.model, MESSENGER), shift_layers(x, self.messenger_offset))
 
 
 def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None, live_backbone: bool = False) -> EdgeModel:

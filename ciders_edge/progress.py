@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 __all__ = ["console", "status", "progress_bar", "LazyBar"]
 
@@ -28,6 +28,8 @@ def progress_bar() -> Progress:
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         TextColumn("{task.fields[metrics]}"),
         console=console,
     )
@@ -42,12 +44,16 @@ class LazyBar:
         self._progress: Progress | None = None
         self._task = None
 
-    def update(self, total: int | None, metrics: str) -> None:
+    def update(self, total: int | None, metrics: str, completed: int | None = None) -> None:
+        """One more step done (or ``completed`` steps of a new ``total``, for a bar reused per phase)."""
         if self._progress is None:
             self._progress = progress_bar()
             self._progress.start()
             self._task = self._progress.add_task(self.description, total=total, metrics="")
-        self._progress.update(self._task, advance=1, total=total, metrics=metrics)
+        if completed is None:
+            self._progress.update(self._task, advance=1, total=total, metrics=metrics)
+        else:
+            self._progress.update(self._task, completed=completed, total=total, metrics=metrics)
 
     def __enter__(self) -> LazyBar:
         return self

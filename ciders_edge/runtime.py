@@ -15,7 +15,7 @@ from .bundle import Bundle
 from .errors import ConfigError, ExportError
 from .exported import Export
 from .generation import context_length
-from .personalize import load_personalized, merge_messenger, personal_messenger
+from .personalize import load_personalized, merge_messenger, personal_messenger, resolve_backbone
 from .profiles import DeviceProfile, pick_device
 from .providers import resolve_providers
 
@@ -42,9 +42,12 @@ def open_runtime(
     export: str | Path | None = None,
     use_global: bool = False,
     profile: DeviceProfile | None = None,
+    backbone: str | None = None,
+    base_model: str | Path | None = None,
 ) -> Runtime:
     """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export (``None``: the export's).
 
+    ``backbone`` (torch from a bundle): ``emu`` or ``full`` (AdapFu); default, what the bundle deploys.
     With an export *and* a bundle, the export must have been made from that bundle and state.
     """
     exp = Export.load(export) if export is not None else None
@@ -57,12 +60,14 @@ def open_runtime(
             raise ConfigError("--runtime onnx runs an export: make one with `ciders-edge export`, pass it as --export")
         if bundle is None:
             raise ConfigError("pass --bundle (with --state or --global), or --export")
-        return _torch_from_bundle(Bundle.load(bundle), state, use_global, profile)
+        b = Bundle.load(bundle)
+        return _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model)
     if (exp.format == "onnx") != (runtime == "onnx"):
         wants = "onnx" if exp.format == "onnx" else "torch"
         raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {wants}")
     if bundle is not None:
-        _check_export_source(exp, Bundle.load(bundle), state, use_global)
+        b = Bundle.load(bundle)
+        _check_export_source(exp, b, state, use_global, exp.source.get("backbone", "emu"))
     providers = resolve_providers(profile.execution_providers if profile else []) if runtime == "onnx" else []
     model = exp.load_model(providers)
     if runtime == "torch":
@@ -70,14 +75,17 @@ def open_runtime(
     return Runtime(exp.runtime, model, exp.load_tokenizer(), context_length(model.config), exp.source, providers)
 
 
-def _torch_from_bundle(bundle: Bundle, state, use_global: bool, profile: DeviceProfile | None) -> Runtime:
-    edge, source = load_personalized(bundle, state, use_global, profile.torch_dtype if profile else None)
+def _torch_from_bundle(
+    bundle: Bundle, state, use_global: bool, profile: DeviceProfile | None, backbone: str, base_model
+) -> Runtime:
+    dtype = profile.torch_dtype if profile else None
+    edge, source = load_personalized(bundle, state, use_global, dtype, backbone, base_model)
     model = merge_messenger(edge).to(pick_device(profile))
     return Runtime("torch", model, edge.tokenizer, context_length(model.config), source.to_dict())
 
 
-def _check_export_source(exp: Export, bundle: Bundle, state, use_global: bool) -> None:
-    _, source = personal_messenger(bundle, state, use_global)
+def _check_export_source(exp: Export, bundle: Bundle, state, use_global: bool, backbone: str) -> None:
+    _, source = personal_messenger(bundle, state, "global" if use_global else "personalized", backbone)
     if not source.same_model(exp.source):
         raise ExportError(
             f"{exp.path}: made from {_describe(exp.source)}, but --bundle/--state give "
@@ -86,7 +94,7 @@ def _check_export_source(exp: Export, bundle: Bundle, state, use_global: bool) -
 
 
 def _describe(s: dict) -> str:
-    backbone = f"backbone {s['frozen_digest'][:12]}"
+    backbone = f"{'the full' if s.get('backbone') == 'full' else 'the AdapEmu'} backbone {s['frozen_digest'][:12]}"
     if s["messenger"] == "global":
         return f"round {s['round']}'s global messenger on {backbone}"
     return f"client {s['client_id']}'s messenger of round {s['state_round']} on {backbone}"

@@ -17,7 +17,7 @@ from transformers.modeling_utils import no_init_weights
 from .architectures import family_of
 from .errors import ConfigError
 
-__all__ = ["SplitSpec", "kept_indices", "build_adapemu"]
+__all__ = ["SplitSpec", "kept_indices", "build_adapemu", "shift_layers"]
 
 
 def kept_indices(n_backbone: int, beta: float) -> list[int]:
@@ -123,3 +123,17 @@ def _remap(state: dict[str, torch.Tensor], source: list[int]) -> dict[str, torch
             if k.startswith(prefix):
                 out[f"model.layers.{dst}.{k[len(prefix) :]}"] = v.clone()
     return out
+
+
+def shift_layers(tensors: dict[str, torch.Tensor], offset: int, first: int = 0) -> dict[str, torch.Tensor]:
+    """Rename ``layers.{i}.`` to ``layers.{i + offset}.`` for every ``i >= first``: the messenger's
+    layers sit at ``n'..n'+a-1`` in the AdapEmu and at ``n-a..n-1`` in AdapFu."""
+
+    def rename(key: str) -> str:
+        head, sep, rest = key.partition("layers.")
+        if not sep:
+            return key
+        index, dot, tail = rest.partition(".")
+        return f"{head}layers.{int(index) + offset}{dot}{tail}" if int(index) >= first else key
+
+    return {rename(k): v for k, v in tensors.items()}

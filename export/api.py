@@ -1,8 +1,9 @@
-"""``ciders-edge export``: the personalized AdapEmu as a deployable folder (hf or onnx, optionally int8).
+"""``ciders-edge export``: the personalized model as a deployable folder (hf or onnx, optionally int8).
 
-The messenger LoRA (the state's x_K) and the learnable backbone's LoRA are merged into dense weights,
-so the folder needs neither PEFT nor this toolkit. Before the folder is published, the exported model
-is run on fixed chats against the unmerged AdapEmu; the manifest records how closely they agree.
+The model is the AdapEmu or AdapFu (the messenger on the full backbone). The messenger LoRA (the
+state's x_K) and, on the AdapEmu, the learnable backbone's LoRA are merged into dense weights, so the
+folder needs neither PEFT nor this toolkit. Before the folder is published, the exported model is run
+on fixed chats against the unmerged model; the manifest records how closely they agree.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ciders_edge.bundle import Bundle
 from ciders_edge.errors import ConfigError, ExportError
 from ciders_edge.exported import FORMAT as EXPORT_FORMAT
 from ciders_edge.exported import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
-from ciders_edge.personalize import load_personalized, merge_messenger
+from ciders_edge.personalize import load_personalized, merge_messenger, resolve_backbone
 
 from .check import all_logits, check_inputs, compare_logits
 from .onnx import save_onnx
@@ -39,15 +40,21 @@ def export_model(
     quantize: str = "none",
     use_global: bool = False,
     stage: Stage = lambda _: nullcontext(),
+    backbone: str | None = None,
+    base_model: str | Path | None = None,
 ) -> dict:
-    """Write the export folder ``out`` atomically and return a summary (sizes, agreement, source)."""
+    """Write the export folder ``out`` atomically and return a summary (sizes, agreement, source).
+
+    ``backbone``: ``emu`` (the AdapEmu) or ``full`` (AdapFu); default, what the bundle deploys."""
     out = Path(out)
     _check_args(fmt, quantize, out)
     start = time.perf_counter()
     with stage("loading the bundle and the personalized messenger"):
-        edge, source = load_personalized(Bundle.load(bundle), state, use_global, dtype=torch.float32)
+        b = Bundle.load(bundle)
+        backbone = resolve_backbone(b, backbone)
+        edge, source = load_personalized(b, state, use_global, torch.float32, backbone, base_model)
         inputs = check_inputs(edge.tokenizer)
-        reference = all_logits(edge.model, inputs)  # the unmerged AdapEmu, LoRA live
+        reference = all_logits(edge.model, inputs)  # the unmerged model, LoRA live
         model, tokenizer = merge_messenger(edge), edge.tokenizer
         del edge  # the merged model is all that is left of it
     staging = staging_dir(out)
@@ -60,7 +67,7 @@ def export_model(
                 save_onnx(model, tokenizer, staging, quantize)
         del model
         manifest = export_manifest(staging, fmt, quantize, source.to_dict())
-        with stage("checking the export against the AdapEmu"):
+        with stage(f"checking the export against the unmerged {'AdapFu' if backbone == 'full' else 'AdapEmu'}"):
             check = compare_logits(inputs, reference, all_logits(Export(staging, manifest).load_model(), inputs))
         manifest["check"] = check
         write_json(staging / MANIFEST, manifest)

@@ -25,7 +25,7 @@ from pathlib import Path
 from ciders_edge.bundle import Bundle
 from ciders_edge.errors import CidersError, ConfigError, ExportError
 from ciders_edge.exported import MANIFEST, Export
-from ciders_edge.personalize import Source, personal_messenger
+from ciders_edge.personalize import Source, personal_messenger, resolve_backbone
 from ciders_edge.profiles import DeviceProfile, load_profile
 
 from .api import Stage, export_model
@@ -38,6 +38,20 @@ PROMPT = "Explain in a few sentences why a small language model can run on a pho
 
 class BenchError(CidersError, RuntimeError):
     """A runtime failed while being measured."""
+
+
+@dataclass(frozen=True)
+class Subject:
+    """The model under test, as every worker process loads it."""
+
+    bundle: str
+    state: str | None
+    backbone: str  # emu | full
+    base_model: str | None = None
+
+    @property
+    def use_global(self) -> bool:
+        return self.state is None
 
 
 @dataclass
@@ -62,35 +76,40 @@ def bench(
     settings: BenchSettings,
     exports: str | Path | None = None,
     stage: Stage = lambda _: nullcontext(),
+    backbone: str | None = None,
+    base_model: str | None = None,
 ) -> dict:
     """Measure every runtime and the training step; returns rows (one per runtime) and the step.
 
-    ``profile`` defaults to the one the bundle was made for.
+    ``profile`` defaults to the one the bundle was made for; ``backbone`` to what the bundle deploys
+    (the training step always runs on the AdapEmu, where edges train).
     """
-    use_global = state is None
     b = Bundle.load(bundle)  # verified once here; the workers load it again in their own processes
+    subject = Subject(str(bundle), str(state) if state else None, resolve_backbone(b, backbone), base_model)
     prof = load_profile(profile) if profile else DeviceProfile.from_dict(b.manifest["profile"])
-    _, source = personal_messenger(b, state, use_global)
+    messenger = "global" if subject.use_global else "personalized"
+    _, source = personal_messenger(b, state, messenger, subject.backbone)
     with tempfile.TemporaryDirectory(prefix="ciders-bench-") as tmp:
         root = Path(exports) if exports is not None else Path(tmp)
         targets = {}
         for name in settings.runtimes:
             targets[name] = None
             if RUNTIME_CHOICES[name] is not None:
-                targets[name] = _export_for(name, source, bundle, state, root / name, stage)
+                targets[name] = _export_for(name, source, subject, root / name, stage)
         with stage(f"measuring {', '.join(settings.runtimes)} side by side"):
-            rows = _measure_side_by_side(targets, bundle, state, use_global, prof, settings)
+            rows = _measure_side_by_side(targets, subject, prof, settings)
     train = None
     if settings.train_steps:
         with stage("measuring the training step"):
-            train = _in_fresh_process(_measure_train_step, bundle, prof, settings.train_steps)
+            train = _in_fresh_process(_measure_train_step, subject.bundle, prof, settings.train_steps)
     base = next((r for r in rows if r["runtime"] == "torch"), None)
     for r in rows:
         r["speedup_vs_torch"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base else None
     return {
         "bundle": str(bundle),
         "profile": prof.name,
-        "messenger": "global" if use_global else "personalized",
+        "messenger": messenger,
+        "backbone": subject.backbone,
         "new_tokens": settings.new_tokens,
         "repeats": settings.repeats,
         "runtimes": rows,
@@ -98,7 +117,7 @@ def bench(
     }
 
 
-def _measure_side_by_side(targets: dict, bundle, state, use_global, prof, settings: BenchSettings) -> list[dict]:
+def _measure_side_by_side(targets: dict, subject: Subject, prof, settings: BenchSettings) -> list[dict]:
     """One process per runtime, loaded one after another; then generations in turn, round-robin, so
     slow drifts of the machine (other tenants, clocks) hit every runtime alike."""
     ctx = multiprocessing.get_context("spawn")
@@ -108,7 +127,7 @@ def _measure_side_by_side(targets: dict, bundle, state, use_global, prof, settin
             conn, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_serve_runtime,
-                args=(child, name, bundle, state, use_global, export, prof, settings),
+                args=(child, name, subject, export, prof, settings),
                 daemon=True,
             )
             proc.start()
@@ -154,10 +173,10 @@ def _reply(name: str, proc, conn):
     return value
 
 
-def _serve_runtime(conn, name, bundle, state, use_global, export, prof: DeviceProfile, settings: BenchSettings) -> None:
+def _serve_runtime(conn, name, subject: Subject, export, prof: DeviceProfile, settings: BenchSettings) -> None:
     """Worker: load one runtime, then answer ``generate`` (timings) and ``stop`` (peak RSS)."""
     try:
-        rt, ids, gen, info = _load_runtime(name, bundle, state, use_global, export, prof, settings)
+        rt, ids, gen, info = _load_runtime(name, subject, export, prof, settings)
         conn.send(("ok", info))
         from ciders_edge.generation import generate
 
@@ -169,7 +188,7 @@ def _serve_runtime(conn, name, bundle, state, use_global, export, prof: DevicePr
         conn.send(("error", str(err) if isinstance(err, CidersError) else f"{type(err).__name__}: {err}"))
 
 
-def _load_runtime(name, bundle, state, use_global, export, prof: DeviceProfile, settings: BenchSettings):
+def _load_runtime(name, subject: Subject, export, prof: DeviceProfile, settings: BenchSettings):
     from ciders_edge.cli_utils import quiet_libraries
     from ciders_edge.generation import GenerationSettings, encode_prompt, generate
     from ciders_edge.runtime import open_runtime
@@ -178,14 +197,22 @@ def _load_runtime(name, bundle, state, use_global, export, prof: DeviceProfile, 
     rss_imports = _peak_rss_mib()
     start = time.perf_counter()
     if export is None:
-        rt = open_runtime("torch", bundle=bundle, state=state, use_global=use_global, profile=prof)
+        rt = open_runtime(
+            "torch",
+            bundle=subject.bundle,
+            state=subject.state,
+            use_global=subject.use_global,
+            profile=prof,
+            backbone=subject.backbone,
+            base_model=subject.base_model,
+        )
     else:  # the export was checked against bundle and state when it was made or reused
         rt = open_runtime("onnx", export=export, profile=prof)
     load_s = time.perf_counter() - start
     gen = GenerationSettings(max_new_tokens=settings.new_tokens, min_new_tokens=settings.new_tokens)
     ids = encode_prompt(rt.tokenizer, [{"role": "user", "content": PROMPT}], rt.context, gen.max_new_tokens)
     generate(rt.model, rt.tokenizer, ids, gen.replace(max_new_tokens=4, min_new_tokens=4))  # warm-up
-    files = Path(export) if export is not None else Path(bundle)
+    files = Path(export) if export is not None else Path(subject.bundle)
     info = {
         "providers": rt.providers,
         "files_bytes": sum(f.stat().st_size for f in files.rglob("*") if f.is_file()),
@@ -197,7 +224,7 @@ def _load_runtime(name, bundle, state, use_global, export, prof: DeviceProfile, 
     return rt, ids, gen, info
 
 
-def _export_for(name: str, source: Source, bundle, state, folder: Path, stage: Stage) -> Path:
+def _export_for(name: str, source: Source, subject: Subject, folder: Path, stage: Stage) -> Path:
     """Reuse ``folder`` if it already holds this runtime's export of ``source``'s model, else export."""
     try:
         exp = Export.load(folder)
@@ -206,7 +233,16 @@ def _export_for(name: str, source: Source, bundle, state, folder: Path, stage: S
     except ExportError:
         pass
     with stage(f"exporting {name}"):
-        export_model(bundle, state, "onnx", folder, RUNTIME_CHOICES[name], use_global=source.messenger == "global")
+        export_model(
+            subject.bundle,
+            subject.state,
+            "onnx",
+            folder,
+            RUNTIME_CHOICES[name],
+            use_global=subject.use_global,
+            backbone=subject.backbone,
+            base_model=subject.base_model,
+        )
     return folder
 
 

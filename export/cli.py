@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ciders_edge.cli_utils import JsonOpt, run_command
+from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, run_command
 from ciders_edge.progress import console, status
 
 from .api import export_model
@@ -25,6 +25,8 @@ def export_command(
     format: Annotated[str, typer.Option("--format", help="hf (merged transformers folder) or onnx.")] = "hf",
     quantize: Annotated[str, typer.Option(help="none, int8 (weight-only, blockwise) or int8-dynamic.")] = "none",
     use_global: Annotated[bool, typer.Option("--global", help="Export the bundle's global messenger.")] = False,
+    backbone: BackboneOpt = None,
+    base_model: BaseModelOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Merge the personalized messenger (and backbone) LoRA into a standalone model folder, optionally ONNX."""
@@ -33,11 +35,20 @@ def export_command(
         c = s["check"]
         console.print(
             f"[green]✓[/] {s['out']}: {s['runtime']} model, {s['files']} files, {s['bytes'] / 2**20:.1f} MiB "
-            f"in {s['seconds']:.0f} s; against the AdapEmu: max |Δlogit| {c['max_abs_logit_diff']:.2e}, "
+            f"in {s['seconds']:.0f} s; against the unmerged {_model_name(s)}: "
+            f"max |Δlogit| {c['max_abs_logit_diff']:.2e}, "
             f"greedy agreement {c['greedy_agreement']:.1%} of {c['positions']} positions"
         )
 
-    run_command(lambda: export_model(bundle, state, format, out, quantize, use_global, stage=status), as_json, render)
+    run_command(
+        lambda: export_model(bundle, state, format, out, quantize, use_global, status, backbone, base_model),
+        as_json,
+        render,
+    )
+
+
+def _model_name(s: dict) -> str:
+    return "AdapFu" if s["source"].get("backbone") == "full" else "AdapEmu"
 
 
 def bench_command(
@@ -52,6 +63,8 @@ def bench_command(
     train_steps: Annotated[int, typer.Option(help="Timed training steps (0: skip).")] = 3,
     exports: Annotated[Path | None, typer.Option(help="Keep (and reuse) the ONNX exports in this folder.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of decode speed and memory per runtime.")] = None,
+    backbone: BackboneOpt = None,
+    base_model: BaseModelOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Decode tokens/s, first-token latency, peak memory and size per runtime; the training step time."""
@@ -60,7 +73,7 @@ def bench_command(
         settings = BenchSettings(
             tuple(r.strip() for r in runtimes.split(",") if r.strip()), new_tokens, repeats, train_steps
         )
-        result = bench(bundle, state, profile, settings, exports, stage=status)
+        result = bench(bundle, state, profile, settings, exports, status, backbone, base_model)
         if plot is not None:
             plot_bench(result, plot)
             result["plot"] = str(plot)
@@ -70,7 +83,8 @@ def bench_command(
 
 
 def _render_bench(s: dict) -> None:
-    title = f"{s['bundle']}: {s['messenger']} messenger, profile {s['profile']}"
+    model = "AdapFu" if s.get("backbone") == "full" else "AdapEmu"
+    title = f"{s['bundle']}: {model}, {s['messenger']} messenger, profile {s['profile']}"
     table = Table("runtime", "MiB", "load s", "TTFT ms", "tok/s", "×torch", "RSS MiB", "agree", title=title)
     for r in s["runtimes"]:
         agree = f"{r['check']['greedy_agreement']:.1%}" if r.get("check") else "ref"

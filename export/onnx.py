@@ -30,6 +30,7 @@ def save_onnx(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about Python control flow in HF modeling code
         onnx_export_from_model(model, folder, task=TASK, do_validation=False, preprocessors=[tokenizer])
+    tokenizer.save_pretrained(folder)  # optimum copies it only from the config's source folder, when it has one
     if quantize != "none":
         src, tmp = folder / ONNX_FILE, folder / f".{ONNX_FILE}.quantized"
         quantize_onnx(src, tmp, quantize)

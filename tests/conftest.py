@@ -55,6 +55,7 @@ def fast_run_config(demo_dir, **overrides):
             "messenger_depth": 2,
             "drop_ratio": 0.5,
             "public_data": str(demo_dir / "public.jsonl"),
+            "layer_steps": 2,
             "align_steps": 1,
             "takd": {"seq_len": 64, "batch_size": 2},
             "hyperparameters": hp,
@@ -75,6 +76,7 @@ def tiny_run(tmp_path_factory, demo_dir):
         messenger_depth=2,
         drop_ratio=0.5,
         public_data=str(demo_dir / "arithmetic" / "public.jsonl"),
+        layer_steps=20,
         align_steps=3,
         takd={"lr": 3e-3, "batch_size": 4, "seq_len": 128},
     )

@@ -4,8 +4,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from ciders_cloud.models import build_cloud_models
-from ciders_cloud.prepare import STATE_DIR, load_run
+from ciders_cloud.prepare import STATE_DIR, load_cloud_models, load_run
 from ciders_cloud.state import ServerState
 from ciders_edge.bundle import ADAPTER_DIR, Bundle
 from ciders_edge.emu import load_edge_model
@@ -35,7 +34,7 @@ def test_manifest_describes_the_split(tiny_run):
 def test_edge_model_equals_the_cloud_emu(tiny_run):
     """Bundle round trip: the edge's AdapEmu (backbone LoRA merged) computes what the cloud's does."""
     run_dir = tiny_run[0]
-    cloud = build_cloud_models(load_run(run_dir), ServerState.load(run_dir / STATE_DIR))
+    cloud = load_cloud_models(run_dir, load_run(run_dir), ServerState.load(run_dir / STATE_DIR))
     edge = load_edge_model(Bundle.load(_bundle_dir(tiny_run)))
     ids = torch.randint(0, 1000, (2, 12))
     with torch.no_grad():

@@ -33,6 +33,8 @@ def _prepare_args(demo_dir, out, *extra):
         "0.5",
         "--public-data",
         str(demo_dir / "units" / "public.jsonl"),
+        "--layer-steps",
+        "5",
         "--align-steps",
         "2",
         "--seq-len",
@@ -51,10 +53,18 @@ def test_prepare_then_distill(demo_dir, tmp_path):
     d = _json(runner.invoke(cloud, ["distill", "--run", str(out), "--steps", "3", "--json"]))
     assert d["takd_steps"] == 3
     log = [json.loads(line) for line in (out / "distill.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2, 3, 4, 5]
-    assert {"hidden_mse", "kl", "ce", "loss"} <= set(log[0])
+    layer = [r for r in log if r["type"] == "layer"]
+    takd = [r for r in log if r["type"] in ("align", "takd")]
+    fidelity = [r for r in log if r["type"] == "fidelity"]
+    assert len(layer) == 5 and [r["step"] for r in takd] == [1, 2, 1, 2, 3]  # bootstrap, then distill's LoRA
+    assert {"hidden", "kl", "ce", "loss"} <= set(takd[0])
+    assert [r["takd_step"] for r in fidelity] == [0, 3] and d["fidelity"]["nll_ratio"] == fidelity[-1]["nll_ratio"]
+    assert s["fidelity"]["records"] == Bundle.load(s["bundles"]["cpu-laptop"]).manifest["fidelity"]["records"] > 0
     after = Bundle.load(d["bundles"]["cpu-laptop"])
-    assert after.manifest["takd_step"] == 5
+    assert after.manifest["takd_step"] == 3
+    assert after.manifest["fidelity"] == {
+        k: v for k, v in fidelity[-1].items() if k not in ("type", "round", "takd_step")
+    }
     assert (
         after.manifest["files"]["backbone_adapter/adapter_model.safetensors"]
         != bundle.manifest["files"]["backbone_adapter/adapter_model.safetensors"]
@@ -151,7 +161,7 @@ def test_prepare_from_a_config_file_with_flag_overrides(demo_dir, tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text(
         f'model = "tiny"\npublic_data = "{demo_dir / "public.jsonl"}"\nmessenger_depth = 3\ndrop_ratio = 0.5\n'
-        'align_steps = 1\nclients = ["a", "b"]\nalgorithm = "fedavg"\n[takd]\nseq_len = 64\n'
+        'layer_steps = 5\nalign_steps = 1\nclients = ["a", "b"]\nalgorithm = "fedavg"\n[takd]\nseq_len = 64\n'
         "[hyperparameters]\nlocal_steps = 4\n"
     )
     s = _json(

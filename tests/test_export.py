@@ -1,4 +1,7 @@
-"""Export, on-device inference and bench on `tiny`: merged/ONNX/int8 agree with the AdapEmu, bad input."""
+"""Export, on-device inference and bench on `tiny`: merged/ONNX/int8 agree with the AdapEmu, bad input.
+
+The tiny run's profile deploys AdapFu; these tests export the AdapEmu explicitly (AdapFu: test_adapfu.py).
+"""
 
 import json
 import os
@@ -54,7 +57,7 @@ def exports(trained, tmp_path_factory):
     root = tmp_path_factory.mktemp("exports")
     out = {}
     for name, fmt, q in (("hf", "hf", "none"), ("onnx", "onnx", "none"), ("onnx-int8", "onnx", "int8")):
-        out[name] = export_model(bundle, state, fmt, root / name, q)
+        out[name] = export_model(bundle, state, fmt, root / name, q, backbone="emu")
     return out
 
 
@@ -106,7 +109,7 @@ def test_onnx_kv_cache_decodes_like_torch(trained, exports):
     """Greedy decoding through the KV-cache graph gives the torch model's tokens."""
     bundle, state = trained
     settings = GenerationSettings(max_new_tokens=12, min_new_tokens=12)
-    torch_rt = open_runtime("torch", bundle=bundle, state=state)
+    torch_rt = open_runtime("torch", bundle=bundle, state=state, backbone="emu")
     onnx_rt = open_runtime(None, export=exports["onnx"]["out"], bundle=bundle, state=state)
     assert onnx_rt.name == "onnx"
     ids = encode_prompt(torch_rt.tokenizer, [{"role": "user", "content": "What is 7 + 5?"}], torch_rt.context, 12)
@@ -300,15 +303,17 @@ def test_cli_infer_prints_the_answer(exports):
         edge_app, ["infer", "--export", str(exports["hf"]["out"]), "--prompt", "hi", "--max-new-tokens", "3"]
     )
     assert r.exit_code == 0, r.output
-    assert "3 tokens, first token" in r.output and "(torch, client e1 round 0)" in r.output
+    assert "3 tokens, first token" in r.output and "(torch, client e1 round 0, AdapEmu)" in r.output
 
 
 def test_sources_match_only_the_same_messenger(trained):
     b = Bundle.load(trained[0])
-    _, personal = personal_messenger(b, trained[1], False)
-    _, glob = personal_messenger(b, None, True)
+    _, personal = personal_messenger(b, trained[1], "personalized")
+    _, glob = personal_messenger(b, None, "global")
     assert personal.same_model(personal.to_dict()) and not personal.same_model(glob.to_dict())
     assert not personal.same_model({**personal.to_dict(), "state_round": 1})
     assert not glob.same_model({**glob.to_dict(), "bundle_id": "0" * 64})  # another round's global messenger
     other = Bundle(b.path, {**b.manifest, "lora": {**b.manifest["lora"], "rank": 8}}, b.bundle_id)
     assert other.frozen_digest != b.frozen_digest  # a messenger of another shape cannot run on it
+    _, full = personal_messenger(b, trained[1], "personalized", backbone="full")
+    assert not personal.same_model(full.to_dict()) and full.same_model(full.to_dict())  # AdapFu is another model

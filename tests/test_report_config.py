@@ -22,7 +22,8 @@ def sim_run(tmp_path_factory, demo_dir):
     data = ", ".join(f'"{demo_dir / f / "train.jsonl"}"' for f in ("units", "strings"))
     cfg.write_text(
         f'model = "tiny"\ndata = [{data}]\nclients = 2\nrounds = 1\nlocal_steps = 2\nmax_records = 10\n'
-        "eval_examples = 2\neval_generate = 0\nalign_steps = 1\nmessenger_depth = 2\ndrop_ratio = 0.5\n"
+        "eval_examples = 2\neval_generate = 0\nlayer_steps = 5\nalign_steps = 1\n"
+        "messenger_depth = 2\ndrop_ratio = 0.5\n"
         'algorithm = "fedavg"\n[hyperparameters]\neta = 0.01\ntakd_steps = 1\n[takd]\nseq_len = 64\n'
     )
     # the flag overrides the file's algorithm and rounds

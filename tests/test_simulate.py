@@ -23,6 +23,7 @@ FAST = dict(
     max_records=14,
     eval_examples=2,
     eval_generate=1,
+    layer_steps=5,
     align_steps=1,
     messenger_depth=2,
     drop_ratio=0.5,

@@ -1,0 +1,106 @@
+"""``ciders-edge evaluate`` on `tiny`: exact match and NLL on a hand-made file, skipped records, bad input."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from ciders_edge.bundle import Bundle
+from ciders_edge.cli import app as edge_app
+from ciders_edge.data import encode
+from ciders_edge.evaluate import exact_match_answer, generate_answers, read_eval_records, rouge_l, score
+from ciders_edge.personalize import load_personalized
+from ciders_edge.train import train_files
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_run, demo_dir, tmp_path_factory):
+    bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
+    root = tmp_path_factory.mktemp("evaluate")
+    train_files(bundle, demo_dir / "dates" / "train.jsonl", root / "state", root / "p.pkt", client_id="d",
+                overrides={"local_steps": 2})  # fmt: skip
+    return bundle, root / "state"
+
+
+def _file(tmp_path, records) -> str:
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_exact_match_and_nll_on_a_hand_made_file(trained, tmp_path):
+    """Two records: the model's own greedy answer (a match) and a wrong one; the NLL is the mean
+    cross-entropy of both responses' tokens, computed here with a plain forward pass."""
+    bundle, state = trained
+    edge, _ = load_personalized(Bundle.load(bundle), state, backbone="emu")
+    q1, q2 = "Rewrite 2020-01-02.", "Name a colour."
+    own, other = generate_answers(edge, [[{"role": "user", "content": q}] for q in (q1, q2)], max_new_tokens=6)
+    assert own.strip() and other.strip() != "a colour nobody says"
+    records = [
+        {"instruction": q1, "response": own, "answer": own},
+        {"instruction": q2, "response": "blue", "answer": "a colour nobody says"},
+    ]
+    scores = score(edge, read_eval_records(_file(tmp_path, records), edge.tokenizer), max_new_tokens=6)
+    assert scores.exact_match == 0.5 and scores.counts == {"records": 2, "nll": 2, "exact_match": 2, "rouge_l": 2}
+    total = count = 0
+    for q, r in ((q1, own), (q2, "blue")):
+        ids, labels = encode(edge.tokenizer, [{"role": "user", "content": q}], r, 1024)
+        with torch.no_grad():
+            logits = edge.model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        targets = torch.tensor(labels[1:])
+        keep = targets != -100
+        total += F.cross_entropy(logits[keep], targets[keep], reduction="sum").item()
+        count += int(keep.sum())
+    assert scores.nll == pytest.approx(total / count, rel=1e-4)
+    assert scores.rouge_l == pytest.approx((1.0 + rouge_l(other, "blue")) / 2)
+    assert exact_match_answer("5 + 3 = 8\n#### 8") == "8" and exact_match_answer(" 2020-01-02 ") == "2020-01-02"
+
+
+def test_cli_compare_table_and_json(trained, demo_dir):
+    bundle, state = trained
+    data = str(demo_dir / "dates" / "eval.jsonl")
+    args = ["evaluate", "--bundle", str(bundle), "--state", str(state), "--data", data, "--compare", "--limit", "2",
+            "--max-new-tokens", "4"]  # fmt: skip
+    r = runner.invoke(edge_app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout.strip().splitlines()[-1])
+    models = [(x["backbone"], x["messenger"]) for x in s["results"]]
+    assert models == [("full", "base"), ("emu", "global"), ("emu", "personalized"), ("full", "personalized")]
+    assert all(x["counts"]["exact_match"] == 2 and x["nll"] > 0 for x in s["results"])
+    personal = {x["backbone"]: x["nll"] for x in s["results"] if x["messenger"] == "personalized"}
+    assert personal["emu"] != personal["full"] and not s["skipped"]
+    r = runner.invoke(edge_app, args)
+    assert r.exit_code == 0 and "base model" in r.output and "AdapFu, personalized messenger" in r.output
+
+
+def test_records_without_answer_or_response_are_noted(trained, tmp_path):
+    bundle, state = trained
+    data = _file(tmp_path, [{"prompt": "Say hi."}, {"question": "1+1?", "answer": "#### 2"},
+                            {"instruction": "Say yes.", "response": "yes"}])  # fmt: skip
+    r = runner.invoke(edge_app, ["evaluate", "--bundle", str(bundle), "--global", "--data", data,
+                                 "--max-new-tokens", "3", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout.strip().splitlines()[-1])
+    (row,) = s["results"]
+    assert row["counts"] == {"records": 3, "nll": 2, "exact_match": 1, "rouge_l": 1}
+    (note,) = s["skipped"]
+    assert "1 without a response (NLL over 2)" in note and "2 without an `answer` (exact match over 1)" in note
+
+
+def test_bad_input_is_one_line(trained, tmp_path):
+    bundle, state = trained
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for args, message in (
+        (["--state", str(state), "--data", str(empty)], f"{empty}: no records (empty file)"),
+        (["--data", str(empty)], "pass --state"),
+        (["--state", str(state), "--state", str(state), "--data", str(empty)], "one --data per --state"),
+        (["--global", "--compare", "--data", str(empty)], "at most one of"),
+        (["--global", "--data", str(tmp_path / "nope.jsonl")], "no such data file"),
+    ):
+        r = runner.invoke(edge_app, ["evaluate", "--bundle", str(bundle), *args])
+        assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
