@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--drops", default="0.2,0.5")
     ap.add_argument("--layer-checkpoints", default="50,100,200", help="stage-1 steps at which to measure")
     ap.add_argument("--align-checkpoints", default="20,40,60", help="stage-2 steps at which to measure")
-    ap.add_argument("--variants", default="relative,paper,relative+ce,lora", help="alternatives at drop 0.2 ('' for none)")
+    ap.add_argument("--variants", default="relative,paper,relative+ce,lora", help="alternatives at drop 0.2")
     args = ap.parse_args()
     from ciders_edge.atomic import write_bytes
     from ciders_edge.cli_utils import quiet_libraries
