@@ -30,7 +30,7 @@ class TakdConfig(ConfigMixin):
     hidden_loss: str = "relative"  # relative: per-token ||h_L - h_F||^2 / ||h_F||^2; mse: the paper's raw form
     lambda_hidden: float = 1.0
     lambda_out: float = 1.0  # weight of KL(AdapFu || AdapEmu)
-    lambda_task: float = 0.0  # weight of the response-token CE
+    lambda_task: float = 0.25  # weight of the response-token CE: pulls the emulator's NLL to the full model's
     weight_decay: float = 0.0
     clip: float = 1.0
     # prepare's bootstrap: stage 1 fits each layer after a gap to the layers it replaces, stage 2 is eq. (2)

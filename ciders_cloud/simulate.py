@@ -47,7 +47,7 @@ class SimConfig(ConfigMixin):
     eval_data: list[str] = field(default_factory=list)  # per-file: each client's own evaluation file
     clients: int = 3
     rounds: int = 3
-    local_steps: int = 10
+    local_steps: int = 20  # K, as RoundHyperparams
     algorithm: str = "ciders-fo"
     partition: str = "iid"  # iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file
     participation: float = 1.0

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
-from transformers.modeling_utils import no_init_weights
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from .bundle import BACKBONE_FILE, FULL_DIR, FULL_WEIGHTS, MESSENGER_FILE, Bundle
-from .emu import EdgeModel
+from .emu import EdgeModel, instantiate
 from .errors import BundleError, ModelError
 from .lora import LoraSettings, attach_lora
 from .models import model_revision, resolve_model
@@ -83,17 +82,7 @@ def load_adapfu(bundle: Bundle, dtype: torch.dtype | None = None, base_model: st
     config, weights = full_backbone_source(bundle, base_model)
     offset = full.n_kept - split.n_kept
     weights.update(shift_layers(bundle.tensors(MESSENGER_FILE), offset, first=split.n_kept))
-    dtype = dtype or DTYPES[m["dtype"]]
-    with no_init_weights():
-        base = AutoModelForCausalLM.from_config(config).to(dtype)
-    missing, unexpected = base.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise BundleError(
-            f"{bundle.path}: the full backbone is incomplete (missing {missing[:2]}, unexpected {unexpected[:2]})"
-        )
-    base.tie_weights()
-    base.generation_config = GenerationConfig.from_pretrained(bundle.path)
+    base = instantiate(bundle, config, weights, dtype or DTYPES[m["dtype"]], "the full backbone's weights")
     model = attach_lora(base, full, LoraSettings.from_dict(m["lora"]))
     tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)
     edge = EdgeModel(model.eval(), full, tok, bundle, backbone="full", messenger_offset=offset)

@@ -48,19 +48,8 @@ def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None, live_backb
     kept as a second adapter when the edge must differentiate through it (FedNest's grad_y f_i)."""
     m = bundle.manifest
     split = SplitSpec.from_dict(m["split"])
-    dtype = dtype or DTYPES[m["dtype"]]
     config = AutoConfig.from_pretrained(bundle.path)
-    with no_init_weights():
-        base = AutoModelForCausalLM.from_config(config).to(dtype)
-    weights = bundle.base_weights()
-    missing, unexpected = base.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise BundleError(
-            f"{bundle.path}: weights do not match its config (missing {missing[:2]}, unexpected {unexpected[:2]})"
-        )
-    base.tie_weights()
-    base.generation_config = GenerationConfig.from_pretrained(bundle.path)
+    base = instantiate(bundle, config, bundle.base_weights(), dtype or DTYPES[m["dtype"]], "weights")
     if live_backbone:  # no dropout: the same function as the merged backbone
         frozen = LoraSettings.from_dict(m["backbone_lora"]).replace(dropout=0.0)
         model = attach_lora(base, split, LoraSettings.from_dict(m["lora"]), frozen)
@@ -70,6 +59,22 @@ def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None, live_backb
     load_lora_state(model, {k: v.float() for k, v in bundle.messenger_lora().items()}, MESSENGER)
     tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)
     return EdgeModel(model.eval(), split, tok, bundle)
+
+
+def instantiate(bundle: Bundle, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, what: str):
+    """The Hugging Face model of ``config`` holding exactly ``weights`` (a tied head may be absent),
+    without the random init it would overwrite; a BundleError names what does not fit."""
+    with no_init_weights():
+        base = AutoModelForCausalLM.from_config(config).to(dtype)
+    missing, unexpected = base.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise BundleError(
+            f"{bundle.path}: {what} do not match its config (missing {missing[:2]}, unexpected {unexpected[:2]})"
+        )
+    base.tie_weights()
+    base.generation_config = GenerationConfig.from_pretrained(bundle.path)
+    return base
 
 
 def _merge_backbone_lora(base, bundle: Bundle, split: SplitSpec):

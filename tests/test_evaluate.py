@@ -22,7 +22,7 @@ def trained(tiny_run, demo_dir, tmp_path_factory):
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
     root = tmp_path_factory.mktemp("evaluate")
     train_files(bundle, demo_dir / "dates" / "train.jsonl", root / "state", root / "p.pkt", client_id="d",
-                overrides={"local_steps": 2})  # fmt: skip
+                overrides={"local_steps": 2, "eta": 1e-4})  # fmt: skip
     return bundle, root / "state"
 
 
@@ -37,9 +37,11 @@ def test_exact_match_and_nll_on_a_hand_made_file(trained, tmp_path):
     cross-entropy of both responses' tokens, computed here with a plain forward pass."""
     bundle, state = trained
     edge, _ = load_personalized(Bundle.load(bundle), state, backbone="emu")
-    q1, q2 = "Rewrite 2020-01-02.", "Name a colour."
-    own, other = generate_answers(edge, [[{"role": "user", "content": q}] for q in (q1, q2)], max_new_tokens=6)
-    assert own.strip() and other.strip() != "a colour nobody says"
+    questions = ["Rewrite 2020-01-02.", "What is 2 + 3?", "Say a word.", "Hello", "Name a colour."]
+    answers = generate_answers(edge, [[{"role": "user", "content": q}] for q in questions], max_new_tokens=6)
+    q1, own = next((q, a) for q, a in zip(questions, answers, strict=True) if a.strip())
+    q2, other = questions[-1], answers[-1]
+    assert other.strip() != "a colour nobody says"  # an own answer that is not blank: a match that means something
     records = [
         {"instruction": q1, "response": own, "answer": own},
         {"instruction": q2, "response": "blue", "answer": "a colour nobody says"},

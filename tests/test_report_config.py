@@ -6,9 +6,11 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
+from ciders_cloud.config import TakdConfig
 from ciders_cloud.report import report
 from ciders_cloud.settings import load_toml_config
 from ciders_cloud.simulate import SimConfig
+from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
 
 runner = CliRunner()
@@ -65,6 +67,10 @@ def test_paper_preset_and_bad_config(tmp_path):
     assert paper["hyperparameters"]["tau"] == 0.02 and paper["gamma_schedule"] == "protocol-c"
     cfg = SimConfig.from_dict({**paper, "data": ["x.jsonl"]})
     assert cfg.rounds == 150 and cfg.clients == 5
+    takd = TakdConfig().replace(**cfg.takd)  # eq. (2) as the paper writes it, whatever the defaults are
+    assert (takd.hidden_loss, takd.lambda_hidden, takd.lambda_out, takd.lambda_task) == ("mse", 1.0, 0.5, 1.0)
+    hp = RoundHyperparams.from_dict(paper["hyperparameters"])
+    assert (hp.eta, hp.tau, cfg.local_steps) == (1e-4, 0.02, 10)
     bad = tmp_path / "b.toml"
     bad.write_text("rounds = [")
     with pytest.raises(ConfigError, match="invalid TOML"):

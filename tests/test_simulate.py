@@ -123,3 +123,32 @@ def test_per_file_evaluation_data_is_each_clients_own_file(demo_dir, tmp_path):
         ]
     with pytest.raises(ConfigError, match="one evaluation file per --data file"):
         _cfg(demo_dir, eval_data=[str(demo_dir / "code" / "eval.jsonl")])
+
+
+def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
+    """The round-0 baseline (AdapEmu and base model) and each personalized messenger on AdapFu, as a
+    direct computation on the same held-out examples gives them."""
+    from ciders_cloud.prepare import bundle_path
+    from ciders_edge.bundle import Bundle
+    from ciders_edge.data import load_examples
+    from ciders_edge.evaluate import response_nll
+    from ciders_edge.personalize import load_personalized
+
+    out = tmp_path / "sim"
+    simulate(_cfg(demo_dir, rounds=1, eval_generate=0), out)
+    rows = _metrics(out)
+    baseline = {r["client"]: r for r in rows if r["type"] == "baseline"}
+    evals = {r["client"]: r for r in rows if r["type"] == "eval"}
+    assert set(baseline) == set(evals) == {"client-00", "client-01", "client-02"}
+    round0, round1 = (Bundle.load(bundle_path(out / "run", "cpu-laptop", t)) for t in (0, 1))
+    for cid in ("client-00", "client-02"):
+        held = out / "data" / cid / "eval.jsonl"
+        base, _ = load_personalized(round0, None, messenger="base", backbone="full")
+        emu0, _ = load_personalized(round0, None, use_global=True, backbone="emu")
+        full, _ = load_personalized(round1, out / "clients" / cid, backbone="full")
+        examples = load_examples(held, base.tokenizer, 512)[: FAST["eval_examples"]]
+        assert baseline[cid]["nll_full"] == pytest.approx(response_nll(base, examples), rel=1e-5)
+        assert baseline[cid]["nll_emu"] == pytest.approx(response_nll(emu0, examples), rel=1e-5)
+        assert evals[cid]["nll_full_personal"] == pytest.approx(response_nll(full, examples), rel=1e-5)
+    summary = (out / "metrics.jsonl").read_text()
+    assert '"nll_full_global"' in summary
