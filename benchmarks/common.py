@@ -120,15 +120,21 @@ def _finished(cfg, out: Path) -> bool:
 
 def final_scores(rows: list[dict]) -> dict:
     """The last evaluation: mean personalized and global NLL over clients, the NLL matrix, its mean
-    diagonal (matched-domain NLL) and Delta_cross."""
+    diagonal (matched-domain NLL), Delta_cross, the same matched NLL on AdapFu, and the round-0
+    baseline (AdapEmu and base model) every gain is measured from."""
     last = max(r["round"] for r in rows if r["type"] == "eval")
     evals = [r for r in rows if r["type"] == "eval" and r["round"] == last]
     matrix = next(r for r in rows if r["type"] == "cross" and r["round"] == last)
+    baseline = [r for r in rows if r["type"] == "baseline"]
+    mean = lambda rs, k: statistics.mean(r[k] for r in rs) if rs and rs[0].get(k) is not None else None  # noqa: E731
     return {
         "nll_personal": statistics.mean(r["nll_personal"] for r in evals),
         "nll_global": statistics.mean(r["nll_global"] for r in evals),
         "matrix": matrix["matrix"],
         "matched_nll": statistics.mean(row[i] for i, row in enumerate(matrix["matrix"])),
+        "matched_nll_full": mean(evals, "nll_full_personal"),
+        "baseline_emu": mean(baseline, "nll_emu"),
+        "baseline_full": mean(baseline, "nll_full"),
         "delta_cross": matrix["delta_cross"],
     }
 
