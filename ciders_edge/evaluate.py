@@ -123,7 +123,7 @@ def exact_match_answer(text: str) -> str:
 
 @torch.no_grad()
 def generate_answers(
-    edge: EdgeModel, prompts: list[list[dict]], max_new_tokens: int = 48, batch_size: int = 16
+    edge: EdgeModel, prompts: list[list[dict]], max_new_tokens: int = 48, batch_size: int = ANSWER_BATCH
 ) -> list[str]:
     """Greedy answers to chat prompts, ``batch_size`` at a time (left-padded): scoring a file is
     offline work, and a batch decodes several times faster than one prompt after another on a CPU."""
