@@ -103,6 +103,9 @@ class LayerAligner:
         return records
 
 
+RECIPE_VERSION = 2  # bump when the bootstrap's code changes what it trains (the cache key's other half is the config)
+
+
 def bootstrap(models: CloudModels, examples: list[Example], run: RunConfig) -> tuple[list[dict], Distiller | None]:
     """Stage 1 and stage 2 on ``examples``; returns their step records, and the stage-2 distiller when it
     trained the backbone LoRA (its optimizer then carries into the rounds).
@@ -142,6 +145,7 @@ def _train_layers(models: CloudModels, examples: list[Example], run: RunConfig) 
 def _cache_path(run: RunConfig, models: CloudModels) -> Path:
     """Where the layers this exact bootstrap produces are kept."""
     key = {
+        "recipe": RECIPE_VERSION,
         "model": run.model_revision,
         "split": models.split.to_dict(),
         "public_data": sha256_file(Path(run.public_data)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from ciders_edge.progress import console
 
 from .config import RunConfig, TakdConfig
 from .fidelity import Fidelity
+from .lock import run_lock
 from .prepare import distill as distill_run
 from .prepare import prepare as prepare_run
 from .report import report as report_runs
@@ -76,7 +78,7 @@ def prepare(
             "clients": client,
         }
         takd = {"lr": takd_lr, "batch_size": takd_batch_size, "seq_len": seq_len}
-        merged = {"model": "smollm2-135m", **merge_config(config, flags, {"takd": takd})}
+        merged = {"model": "smollm2-135m", **merge_config(config, flags, {"takd": takd}, command="prepare")}
         if "public_data" not in merged:
             raise ConfigError("--public-data is required (or `public_data` in --config)")
         first = load_profile((merged.get("profiles") or ["cpu-laptop"])[0])
@@ -85,9 +87,19 @@ def prepare(
         merged.setdefault("lora", LoraSettings(rank=first.lora_rank).to_dict())
         merged["takd"] = TakdConfig.from_dict(merged["takd"]).to_dict()
         merged["hyperparameters"] = RoundHyperparams.from_dict(merged.get("hyperparameters", {})).to_dict()
-        return prepare_run(RunConfig.from_dict(merged, where=config or "flags"), out)
+        return prepare_run(RunConfig.from_dict(merged, where="flags"), out)  # the file was checked at load
 
     run_command(body, as_json, _render)
+
+
+def _locked(run: Path, command: str, body: Callable[[], dict]) -> Callable[[], dict]:
+    """``body`` under the run's lock: one command writes a run folder at a time."""
+
+    def locked() -> dict:
+        with run_lock(run, command):
+            return body()
+
+    return locked
 
 
 @app.command()
@@ -97,7 +109,7 @@ def distill(
     as_json: JsonOpt = False,
 ) -> None:
     """Continue TAKD of the learnable backbone and re-ship the current round's bundles."""
-    run_command(lambda: distill_run(run, steps), as_json, _render)
+    run_command(_locked(run, "distill", lambda: distill_run(run, steps)), as_json, _render)
 
 
 @app.command()
@@ -121,7 +133,7 @@ def aggregate(
         for name, path in s["bundles"].items():
             console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
 
-    run_command(lambda: aggregate_files(run, packets), as_json, render)
+    run_command(_locked(run, "aggregate", lambda: aggregate_files(run, packets)), as_json, render)
 
 
 @app.command()
@@ -193,8 +205,9 @@ def simulate(
             "codec": codec,
             "gamma_schedule": gamma_schedule,
         }
-        merged = merge_config(config, flags, {"hyperparameters": {"eta": lr, "gamma": gamma}})
-        return simulate_run(SimConfig.from_dict(merged, where=config or "flags"), out)
+        hp = {"eta": lr, "gamma": gamma, "local_steps": local_steps}  # the flag beats a file's [hyperparameters]
+        merged = merge_config(config, flags, {"hyperparameters": hp}, command="simulate")
+        return simulate_run(SimConfig.from_dict(merged, where="flags"), out)  # the file was checked at load
 
     def render(s: dict) -> None:
         console.print(f"[green]✓[/] {s['algorithm']}: {s['clients']} clients × {s['rounds']} rounds in {s['out']}")
@@ -228,7 +241,7 @@ def serve(
     address: Annotated[str, typer.Option(help="HOST:PORT the SuperLink listens on.")] = "0.0.0.0:9092",
     round_timeout: Annotated[float, typer.Option(help="Seconds to wait for edges and their replies.")] = 600.0,
     certs: Annotated[Path | None, typer.Option(help="Folder from `ciders-cloud certs` (default RUN/certs).")] = None,
-    connect: Annotated[bool, typer.Option(help="Use a SuperLink already running at --address.")] = False,
+    connect: Annotated[bool, typer.Option(help="Use the SuperLink running on this host.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Run the rounds over the network on a Flower SuperLink; edges join with `ciders-edge join`."""
@@ -246,26 +259,31 @@ def serve(
         console.print(f"[green]✓[/] run at round {s['round']} of {s['rounds']} ({done})")
 
     opts = dict(min_clients=min_clients, address=address, round_timeout=round_timeout, certs=certs)
-    run_command(lambda: serve_fleet(ServeOptions(run, rounds, connect=connect, **opts)), as_json, render)
+    body = _locked(run, "serve", lambda: serve_fleet(ServeOptions(run, rounds, connect=connect, **opts)))
+    run_command(body, as_json, render)
 
 
 @app.command()
 def certs(
-    out: Annotated[Path, typer.Option(help="Folder for ca.crt/ca.key and server.pem/server.key.")],
+    out: Annotated[Path, typer.Option(help="Folder for ca.crt and server.pem/server.key.")],
     host: Annotated[
         list[str] | None, typer.Option(help="Name or IP the edges use to reach the cloud (repeatable).")
     ] = None,
     days: Annotated[int, typer.Option(help="Validity in days.")] = 365,
+    ca_key: Annotated[
+        Path | None,
+        typer.Option(help="Where to keep the CA's private key, outside --out (offline media); default: discard it."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Make a private CA and the SuperLink's TLS certificate (for a deployment or a test)."""
     from .fleet.certs import make_certs
 
-    run_command(
-        lambda: make_certs(out, host or [], days),
-        as_json,
-        lambda s: console.print(f"[green]✓[/] CA {s['ca']} and server certificate for {', '.join(s['hosts'])}"),
-    )
+    def render(s: dict) -> None:
+        kept = f"CA key in {s['ca_key']}" if s["ca_key"] else "CA key discarded (--ca-key PATH keeps it)"
+        console.print(f"[green]✓[/] CA {s['ca']} and server certificate for {', '.join(s['hosts'])}; {kept}")
+
+    run_command(lambda: make_certs(out, host or [], days, ca_key), as_json, render)
 
 
 @app.command("demo-data")

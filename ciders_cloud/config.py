@@ -8,12 +8,14 @@ from ciders_edge.config import ConfigMixin, RoundHyperparams
 from ciders_edge.errors import ConfigError
 from ciders_edge.lora import LoraSettings
 
-from .strategies import get_strategy
+from .strategies import STRATEGIES, get_strategy
 
-__all__ = ["TakdConfig", "RunConfig", "HIDDEN_LOSSES", "ALIGN_PARAMS"]
+__all__ = ["TakdConfig", "RunConfig", "HIDDEN_LOSSES", "TASK_LOSSES", "ALIGN_PARAMS", "GAMMA_SCHEDULES"]
 
 HIDDEN_LOSSES = ("relative", "mse")
+TASK_LOSSES = ("excess", "ce")
 ALIGN_PARAMS = ("layers", "lora")
+GAMMA_SCHEDULES = ("constant", "protocol-c")
 
 
 @dataclass
@@ -24,13 +26,16 @@ class TakdConfig(ConfigMixin):
     (raw hidden MSE, lambda_out 0.5, lambda_task 1) is the ``paper`` preset.
     """
 
+    CHOICES = {"hidden_loss": HIDDEN_LOSSES, "task_loss": TASK_LOSSES, "align_params": ALIGN_PARAMS}
+
     lr: float = 5e-4  # per-round TAKD of the backbone LoRA (eq. 13)
     batch_size: int = 4
     seq_len: int = 256
     hidden_loss: str = "relative"  # relative: per-token ||h_L - h_F||^2 / ||h_F||^2; mse: the paper's raw form
     lambda_hidden: float = 1.0
     lambda_out: float = 1.0  # weight of KL(AdapFu || AdapEmu)
-    lambda_task: float = 0.25  # weight of the response-token CE: pulls the emulator's NLL to the full model's
+    lambda_task: float = 1.0  # weight of the response-token CE: pulls the emulator's NLL to the full model's
+    task_loss: str = "excess"  # excess: only the CE beyond the full model's (per batch); ce: the paper's plain CE
     weight_decay: float = 0.0
     clip: float = 1.0
     # prepare's bootstrap: stage 1 fits each layer after a gap to the layers it replaces, stage 2 is eq. (2)
@@ -52,6 +57,8 @@ class TakdConfig(ConfigMixin):
             )
         if self.hidden_loss not in HIDDEN_LOSSES:
             raise ConfigError(f"TAKD `hidden_loss` must be one of {', '.join(HIDDEN_LOSSES)}, got {self.hidden_loss!r}")
+        if self.task_loss not in TASK_LOSSES:
+            raise ConfigError(f"TAKD `task_loss` must be one of {', '.join(TASK_LOSSES)}, got {self.task_loss!r}")
         if self.align_params not in ALIGN_PARAMS:
             raise ConfigError(
                 f"TAKD `align_params` must be one of {', '.join(ALIGN_PARAMS)}, got {self.align_params!r}"
@@ -63,6 +70,14 @@ class TakdConfig(ConfigMixin):
 @dataclass
 class RunConfig(ConfigMixin):
     """Everything ``prepare`` decided; later commands read it back instead of re-asking."""
+
+    CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES}
+    TABLES = {
+        "lora": LoraSettings,
+        "backbone_lora": LoraSettings,
+        "takd": TakdConfig,
+        "hyperparameters": RoundHyperparams,
+    }
 
     model: str = "smollm2-135m"
     model_path: str = ""  # the resolved local folder
@@ -80,7 +95,8 @@ class RunConfig(ConfigMixin):
     hyperparameters: dict = field(default_factory=lambda: RoundHyperparams().to_dict())
     algorithm: str = "ciders-fo"  # a strategy in ciders_cloud.strategies
     gamma_schedule: str = "constant"  # constant (hyperparameters.gamma) | protocol-c
-    clients: list[str] = field(default_factory=list)  # accepted client ids; empty: any
+    clients: list[str] = field(default_factory=list)  # accepted client ids (a file's `client_ids`); empty: any
+    run_id: str = ""  # set by prepare (prepare.run_identity); in every bundle: an edge state is tied to its run
 
     def __post_init__(self) -> None:
         if self.messenger_depth < 1:
@@ -93,7 +109,7 @@ class RunConfig(ConfigMixin):
             )
         if not self.profiles:
             raise ConfigError("at least one device profile is needed.")
-        if self.gamma_schedule not in ("constant", "protocol-c"):
+        if self.gamma_schedule not in GAMMA_SCHEDULES:
             raise ConfigError(f"`gamma_schedule` must be constant or protocol-c, got {self.gamma_schedule!r}.")
         get_strategy(self.algorithm)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -11,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from ciders_edge.atomic import staging_dir, write_json, write_safetensors
+from ciders_edge.atomic import staging_dir, write_bytes, write_json, write_safetensors
 from ciders_edge.bundle import Bundle, BundleContents
+from ciders_edge.checksums import sha256_file
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.lora import peft_config
 from ciders_edge.models import load_tokenizer, model_revision, resolve_model
@@ -36,6 +38,7 @@ __all__ = [
     "STATE_DIR",
     "DISTILL_LOG",
     "append_log",
+    "write_round_log",
     "bundle_path",
     "load_cloud_models",
     "fidelity_record",
@@ -44,6 +47,7 @@ __all__ = [
 RUN_CONFIG = "run.json"
 STATE_DIR = "server"
 DISTILL_LOG = "distill.jsonl"
+TAKD_LOSS_KEYS = ("hidden_loss", "lambda_hidden", "lambda_out", "lambda_task", "task_loss")  # shown in manifests
 ALIGNED = "aligned_layers.safetensors"  # the AdapEmu layers prepare's bootstrap trained
 BUNDLES_DIR = "bundles"
 
@@ -66,6 +70,7 @@ def prepare(run: RunConfig, out: str | Path) -> dict:
     deploy = _deployments(run, profiles, split)
     public, held = public_split(run, load_tokenizer(Path(run.model_path)))  # bad data fails before the model loads
     run = run.replace(model_revision=model_revision(Path(run.model_path)))
+    run = run.replace(run_id=run.run_id or run_identity(run))
 
     models = build_cloud_models(run)
     before = measure_fidelity(models, held)
@@ -107,13 +112,24 @@ def distill(run_dir: str | Path, steps: int) -> dict:
     records = distiller.run(steps, round_=state.round, label="TAKD")
     fidelity = measure_fidelity(models, held)
     records.append(fidelity_record(state.round, distiller.step_count, fidelity))
+    write_round_log(run_dir / DISTILL_LOG, state, records)
     state.backbone = models.backbone_state()
     state.optimizer = distiller.optimizer_state()
     state.takd_step = distiller.step_count
     state.save(run_dir / STATE_DIR)
-    append_log(run_dir / DISTILL_LOG, records)
     bundles = write_bundles(run_dir, run, models, state, [load_profile(p) for p in run.profiles], fidelity)
     return _summary(run_dir, run, models.split, records, {p: b.path for p, b in bundles.items()})
+
+
+def run_identity(run: RunConfig) -> str:
+    """The run's id: a digest of what it is made of (source model, split, public data by content,
+    recipe, algorithm, seed), not of where its files lie. Bundles carry it and a client state keeps
+    it, so an edge state is never trained on another run's bundles; two runs made alike are alike to
+    the bit (so a fleet and a simulation of it can be compared), and the cloud's c_i digest check
+    tells their clients apart."""
+    made_of = {k: v for k, v in run.to_dict().items() if k not in ("model_path", "public_data", "run_id")}
+    made_of["public_data"] = sha256_file(Path(run.public_data))
+    return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def load_cloud_models(run_dir: Path, run: RunConfig, state: ServerState) -> CloudModels:
@@ -145,7 +161,7 @@ def write_bundles(
     out = {}
     for profile in profiles:
         path = bundle_path(run_dir, profile.name, state.round)
-        previous = _latest_bundle(run_dir / BUNDLES_DIR / profile.name)
+        previous = _previous_bundle(run_dir, profile.name, state.round)
         contents = _contents(run, models, state, profile, fidelity)
         out[profile.name] = Bundle.save(path, contents, previous)
     return out
@@ -162,6 +178,7 @@ def _contents(
     deploy, takd = _deployment(run, profile, split), run.takd_config
     manifest = {
         "round": state.round,
+        "run_id": run.run_id,
         "base_model": {"id": run.model, "name_or_path": emu.config.name_or_path, "revision": run.model_revision},
         "architecture": (emu.config.architectures or [type(emu).__name__])[0],
         "model_type": emu.config.model_type,
@@ -172,7 +189,7 @@ def _contents(
         "profile": profile.to_dict(),
         "hyperparameters": hp.to_dict(),
         "takd_step": state.takd_step,
-        "takd_loss": {k: getattr(takd, k) for k in ("hidden_loss", "lambda_hidden", "lambda_out", "lambda_task")},
+        "takd_loss": {k: getattr(takd, k) for k in TAKD_LOSS_KEYS},
         "fidelity": fidelity.to_dict() if fidelity else None,
         "deploy_backbone": deploy,
     }
@@ -193,9 +210,14 @@ def _contents(
     )
 
 
-def _latest_bundle(profile_dir: Path) -> Bundle | None:
-    rounds = sorted(profile_dir.glob("round-*")) if profile_dir.is_dir() else []
-    return Bundle.load(rounds[-1]) if rounds else None
+def _previous_bundle(run_dir: Path, profile: str, round_: int) -> Bundle | None:
+    """What an edge holds before round ``round_``'s bundle: round ``round_ - 1``'s (or, for distill's
+    rewrite of round 0, round 0's). Never a later one, which a killed ``aggregate`` may have left."""
+    for r in (round_ - 1, round_):
+        path = bundle_path(run_dir, profile, r)
+        if r >= 0 and path.is_dir():
+            return Bundle.load(path)
+    return None
 
 
 def _deployments(run: RunConfig, profiles: list[DeviceProfile], split) -> dict[str, str]:
@@ -231,6 +253,20 @@ def append_log(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(rec) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_round_log(path: Path, committed: ServerState, records: list[dict]) -> None:
+    """Add ``records`` to the log *before* the state commit, replacing whatever an interrupted attempt
+    left: a TAKD or fidelity record past ``committed``'s round or TAKD step is from an attempt that
+    never committed. So a rerun after a kill logs each step exactly once."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = [line for line in lines if _committed(json.loads(line), committed)]
+    write_bytes(path, "".join(line + "\n" for line in kept + [json.dumps(rec) for rec in records]).encode())
+
+
+def _committed(rec: dict, state: ServerState) -> bool:
+    step = {"takd": rec.get("step"), "fidelity": rec.get("takd_step")}.get(rec.get("type"))
+    return step is None or (rec.get("round", 0) <= state.round and step <= state.takd_step)
 
 
 def _summary(run_dir: Path, run: RunConfig, split, records: list[dict], bundles: dict[str, Path]) -> dict:

@@ -1,12 +1,18 @@
-"""``ciders-cloud report``: PNG plots and a markdown summary comparing simulation runs."""
+"""``ciders-cloud report``: PNG plots and a markdown summary comparing simulation runs.
+
+The report is drawn into a hidden folder beside ``--out`` and swapped in whole, so a failure leaves
+the previous report (or none) and never a mix of old and new plots.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from ciders_edge.atomic import fsync_tree, replace_dir, staging_dir
 from ciders_edge.errors import ConfigError
 
 __all__ = ["report", "load_metrics"]
@@ -34,17 +40,46 @@ def _per_round(rows: list[dict], kind: str, key: str) -> tuple[list[int], list[f
 
 
 def report(runs: list[str | Path], out: str | Path) -> dict:
-    """Draw the plots for ``runs`` into ``out`` and write ``out/summary.md``; returns the file list."""
+    """Draw the plots for ``runs`` into ``out`` and write ``out/summary.md``; returns the file list.
+
+    Raises:
+        ConfigError: a run has no metrics, or ``out`` holds files a report did not write.
+    """
+    data = {Path(r): load_metrics(Path(r)) for r in runs}
+    labels = {run: _label(run, rows) for run, rows in data.items()}
+    out = Path(out)
+    _check_out(out)
+    staging = staging_dir(out)
+    try:
+        files = _draw(staging, data, labels)
+        fsync_tree(staging)
+        replace_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"out": str(out), "files": files}
+
+
+def _check_out(out: Path) -> None:
+    """``out`` is new, empty or an earlier report: replacing it whole loses nothing else."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out}: is a file; choose a folder for --out")
+    other = sorted(p.name for p in out.iterdir() if not _report_file(p)) if out.is_dir() else []
+    if other:
+        raise ConfigError(f"{out}: holds {other[0]}, which `report` did not write; choose a new --out")
+
+
+def _report_file(path: Path) -> bool:
+    return path.is_file() and (path.suffix == ".png" or path.name == "summary.md")
+
+
+def _draw(out: Path, data: dict, labels: dict) -> list[str]:
+    """Every plot and ``summary.md`` into ``out``; returns their names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    data = {Path(r): load_metrics(Path(r)) for r in runs}
-    labels = {run: _label(run, rows) for run, rows in data.items()}
     files = []
 
     def line_plot(name: str, kind: str, key: str, title: str, ylabel: str) -> None:
@@ -73,7 +108,7 @@ def report(runs: list[str | Path], out: str | Path) -> dict:
             files.append(_heatmap(plt, out, run, cross[-1], labels[run]))
     (out / "summary.md").write_text(_summary(data, labels))
     files.append("summary.md")
-    return {"out": str(out), "files": files}
+    return files
 
 
 def _gamma_plot(plt, out: Path, data: dict, labels: dict) -> str:

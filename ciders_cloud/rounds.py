@@ -9,7 +9,9 @@ same result) or, if the state already moved on with exactly these packets, repor
 from __future__ import annotations
 
 import hashlib
+import math
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from ciders_edge.bundle import Bundle
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import PacketError
 from ciders_edge.local import mean_lr_multiplier
-from ciders_edge.packet import Packet
+from ciders_edge.packet import Packet, consensus_digest
 from ciders_edge.profiles import load_profile
 from ciders_edge.train import PROBE_KIND, read_key
 from ciders_edge.update import Tensors, add, norm
@@ -32,12 +34,12 @@ from .fidelity import measure_fidelity
 from .prepare import (
     DISTILL_LOG,
     STATE_DIR,
-    append_log,
     bundle_path,
     fidelity_record,
     load_cloud_models,
     load_run,
     write_bundles,
+    write_round_log,
 )
 from .state import ServerState
 from .strategies import get_strategy, round_hyperparams_for
@@ -55,6 +57,7 @@ __all__ = [
 
 KEYS_DIR = "keys"
 HYPERGRADIENTS = "hypergradients"
+MAX_DELTA_RATIO = 20.0  # a displacement this many times the median one is refused (see check_displacements)
 CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -105,10 +108,13 @@ def check_packets(
         if run.clients and p.client_id not in run.clients:
             raise PacketError(f"{where}: unknown client id {p.client_id!r}")
         for name in ("gamma", "alpha"):  # eq. (11) inverts the edge's eq. (10) with the round's values
+            if name not in p.metrics and p.metrics.get("kind") != PROBE_KIND:
+                raise PacketError(f"{where}: the packet does not say which {name} it trained with")
             if name in p.metrics and p.metrics[name] != getattr(hp, name):
                 raise PacketError(
                     f"{where}: trained with {name}={p.metrics[name]}, round {state.round} uses {getattr(hp, name)}"
                 )
+        _check_consensus_digest(p, state, where)
         if p.client_id in seen:
             raise PacketError(f"{where}: a second packet from client {p.client_id!r} in round {state.round}")
         seen.add(p.client_id)
@@ -124,6 +130,57 @@ def check_packets(
         p.check_finite(where)
 
 
+def _check_consensus_digest(p: Packet, state: ServerState, where: str) -> None:
+    """The edge's c_i and the cloud's copy must be the same tensors (eq. 11 uses the cloud's)."""
+    if p.metrics.get("kind") == PROBE_KIND:
+        return
+    theirs = p.metrics.get("c_i_digest")
+    if not isinstance(theirs, str):
+        raise PacketError(f"{where}: the packet does not say which c_i it started from (metrics c_i_digest)")
+    mine = state.clients.get(p.client_id, {k: torch.zeros_like(t) for k, t in state.messenger.items()})
+    if theirs != consensus_digest(mine):
+        new = "" if p.client_id in state.clients else " (the cloud has never aggregated this client: c_i = 0)"
+        raise PacketError(
+            f"{where}: client {p.client_id!r} trained from a c_i (digest {theirs[:12]}) that is not the cloud's copy "
+            f"({consensus_digest(mine)[:12]}){new}: the edge's state folder was lost, damaged or made for another "
+            "run; restore it, or join as a new client id with a new --state"
+        )
+
+
+def check_displacements(received: list[Received], deltas: list[Tensors], state: ServerState) -> dict[int, str]:
+    """The packets (by index) whose reconstructed displacement (eq. 11) is not finite or is an outlier,
+    with the reason: a packet with a valid tag can still carry values that would wreck v and c for
+    every edge. An outlier's norm is over ``MAX_DELTA_RATIO`` times the round's scale: the median of
+    this round's and the last round's finite displacements when there are at least three, else |v|.
+    """
+    norms = [norm(d) for d in deltas]
+    bad = {
+        i: f"{r.where}: client {r.packet.client_id!r}'s reconstructed displacement is not finite"
+        for i, (r, n) in enumerate(zip(received, norms, strict=True))
+        if not math.isfinite(n)
+    }
+    history = [n for n in norms if math.isfinite(n)] + list((state.last_summary or {}).get("delta_norms", {}).values())
+    if len(history) >= 3:
+        scale, of = statistics.median(history), "the median displacement"
+    else:
+        scale, of = norm(state.messenger), "|v|"
+    for i, (r, n) in enumerate(zip(received, norms, strict=True)):
+        if i not in bad and n > MAX_DELTA_RATIO * scale:
+            bad[i] = (
+                f"{r.where}: client {r.packet.client_id!r}'s displacement norm {n:.3e} is over {MAX_DELTA_RATIO:g}x "
+                f"{of} ({scale:.3e}) in round {state.round}; refused as an outlier"
+            )
+    return bad
+
+
+def _check_finite(tensors: Tensors, what: str) -> None:
+    for name, t in tensors.items():
+        if isinstance(t, dict):
+            _check_finite(t, f"{what} {name}")
+        elif not torch.isfinite(t).all():
+            raise PacketError(f"{what}: tensor {name} is not finite; nothing was written")
+
+
 def aggregate_files(run_dir: str | Path, packet_paths: list[str | Path]) -> dict:
     """The CLI's body: read packet files and run :func:`aggregate_packets`."""
     items = []
@@ -135,8 +192,13 @@ def aggregate_files(run_dir: str | Path, packet_paths: list[str | Path]) -> dict
     return aggregate_packets(Path(run_dir), items)
 
 
-def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
-    """Eq. (11)–(13) for one round; returns a summary of what happened."""
+def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]], drop_outliers: bool = False) -> dict:
+    """Eq. (11)–(13) for one round; returns a summary of what happened.
+
+    A packet whose displacement is not finite or an outlier fails the round, nothing written; with
+    ``drop_outliers`` (the fleet, where one bad edge must not stop the others) it is left out with its
+    reason in the summary's ``dropped``, and its client's c_i stays as it was.
+    """
     run = load_run(run_dir)
     state = ServerState.load(run_dir / STATE_DIR)
     received = read_packets(run_dir, items)
@@ -148,6 +210,15 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         raise PacketError("no packets given; a round needs at least one")
     strategy = get_strategy(run.algorithm)
     deltas, new_clients = _reconstruct(received, state, hp)  # (11)
+    bad = check_displacements(received, deltas, state)
+    if bad and not drop_outliers:
+        raise PacketError(f"{next(iter(bad.values()))}; nothing was written")
+    dropped = {received[i].packet.client_id: reason for i, reason in bad.items()}
+    if bad:
+        received = [r for i, r in enumerate(received) if i not in bad]
+        if not received:
+            raise PacketError(f"round {state.round}: every packet was refused ({'; '.join(dropped.values())})")
+        deltas, new_clients = _reconstruct(received, state, hp)
     weights = participation_weights([r.packet.num_examples for r in received])
     models = load_cloud_models(run_dir, run, state)
     bilevel = {}
@@ -156,8 +227,10 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         q, bilevel = cloud_indirect_term(models, run, state, hp, grad_y)
         deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]  # as if added to every local step
     v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12)
+    _check_finite({"v": v, "c": c}, f"round {state.round}")
     models.load_messenger(v)
     records, optimizer, takd_step, fidelity = _distill(models, run, state, *strategy.takd(hp))  # (13)
+    _check_finite(models.backbone_state(), f"round {state.round}: the backbone LoRA after TAKD")
 
     summary = {
         "round": state.round,
@@ -173,6 +246,7 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
         "takd_last": records[-1] if records else None,
         "fidelity": fidelity.to_dict() if fidelity else None,
         "bilevel": bilevel,
+        "dropped": dropped,
     }
     new = ServerState(
         state.round + 1,
@@ -190,8 +264,8 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
     summary["bundles"] = {k: str(b.path) for k, b in bundles.items()}
     summary["bytes_down"] = {k: b.new_bytes for k, b in bundles.items()}
     new.last_summary = summary
+    write_round_log(run_dir / DISTILL_LOG, state, records + [fidelity_record(state.round + 1, takd_step, fidelity)])
     new.save(run_dir / STATE_DIR)  # the commit point
-    append_log(run_dir / DISTILL_LOG, records + [fidelity_record(state.round + 1, takd_step, fidelity)])
     return summary
 
 

@@ -4,43 +4,57 @@ Each round, every sampled client runs :func:`ciders_edge.train.train_files` (``c
 on its own data and state folder and writes a real packet; the cloud runs
 :func:`ciders_cloud.rounds.aggregate_files` (``ciders-cloud aggregate``) on those packets. The
 algorithm is the run's strategy; diagnostics and evaluations go to ``RUN/metrics.jsonl``.
+
+The study is built in a hidden folder beside ``--out`` and renamed into place after its last round:
+a failed run leaves no ``--out`` to block its rerun, and a killed one's folder is swept by the next.
 """
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
+import os
 import random
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors.torch import load_file
 
-from ciders_edge.atomic import write_bytes
+from ciders_edge.atomic import fsync_dir, staging_dir, write_bytes, write_json
 from ciders_edge.bundle import Bundle
 from ciders_edge.config import ConfigMixin, RoundHyperparams
 from ciders_edge.data import read_jsonl
 from ciders_edge.errors import ConfigError
+from ciders_edge.packet import CODECS
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
 from ciders_edge.train import probe_files, train_files
 
-from .config import RunConfig, TakdConfig
+from .config import GAMMA_SCHEDULES, RunConfig, TakdConfig
 from .diagnostics import client_diagnostics
 from .evaluation import evaluate_baseline, evaluate_round
 from .partition import partition
-from .prepare import bundle_path, load_run, prepare
+from .prepare import RUN_CONFIG, append_log, bundle_path, load_run, prepare
 from .rounds import aggregate_files, hypergradient_packets
-from .strategies import get_strategy, round_hyperparams_for
+from .strategies import STRATEGIES, get_strategy, round_hyperparams_for
 
 __all__ = ["SimConfig", "simulate", "prepare_study", "METRICS"]
 
 METRICS = "metrics.jsonl"
+BUILDING = ".simulating"  # in a study being built; flock-ed by the process building it
 
 
 @dataclass
 class SimConfig(ConfigMixin):
     """Everything ``simulate`` takes; TOML keys equal these names, CLI flags override them."""
+
+    CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES, "codec": CODECS}
+    TABLES = {"hyperparameters": RoundHyperparams, "takd": TakdConfig}
 
     model: str = "tiny"
     data: list[str] = field(default_factory=list)
@@ -87,14 +101,51 @@ def client_ids(n: int) -> list[str]:
 
 
 def simulate(cfg: SimConfig, out: str | Path) -> dict:
-    """Run ``cfg.rounds`` rounds; returns the last evaluation and where everything is."""
+    """Run ``cfg.rounds`` rounds; returns the last evaluation and where everything is.
+
+    Raises:
+        ConfigError: ``out`` exists and is not empty.
+    """
     out = Path(out)
-    run_dir, ids, domains = prepare_study(cfg, out)
+    with _staged(out) as root:
+        ids, domains = _build_study(cfg, root)
+        last_eval = _run_rounds(cfg, root, ids, domains)
+    return {
+        "out": str(out),
+        "run": str(out / "run"),
+        "algorithm": cfg.algorithm,
+        "rounds": cfg.rounds,
+        "clients": cfg.clients,
+        **{k: v for k, v in last_eval.items() if k != "records"},
+    }
+
+
+def prepare_study(cfg: SimConfig, out: str | Path) -> tuple[Path, list[str], dict[str, str]]:
+    """The study before round 0: ``config.json``, each client's ``data/<id>/{train,eval}.jsonl`` and
+    the prepared ``run``. Deterministic in ``cfg``, so a fleet started on a second copy
+    (``ciders-cloud serve``) can be checked against ``simulate`` bit for bit."""
+    out = Path(out)
+    with _staged(out) as root:
+        ids, domains = _build_study(cfg, root)
+    return out / "run", ids, domains
+
+
+def _build_study(cfg: SimConfig, root: Path) -> tuple[list[str], dict[str, str]]:
+    write_json(root / "config.json", cfg.to_dict())
+    ids = client_ids(cfg.clients)
+    domains = _materialize_data(cfg, root / "data", ids)
+    prepare(_run_config(cfg, ids, root / "data"), root / "run")
+    return ids, domains
+
+
+def _run_rounds(cfg: SimConfig, out: Path, ids: list[str], domains: dict[str, str]) -> dict:
+    """The rounds of a built study in ``out``; returns the last evaluation."""
+    run_dir = out / "run"
     rng = random.Random(cfg.seed)
     strategy = get_strategy(cfg.algorithm)
     last_eval: dict = {}
     down = Bundle.load(bundle_path(run_dir, cfg.profile, 0)).delta_bytes(None)  # round 0: the whole bundle
-    _append(out / METRICS, evaluate_baseline(bundle_path(run_dir, cfg.profile, 0), out, ids, domains, cfg))
+    append_log(out / METRICS, evaluate_baseline(bundle_path(run_dir, cfg.profile, 0), out, ids, domains, cfg))
     for t in range(cfg.rounds):
         started = time.perf_counter()
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
@@ -148,29 +199,66 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
             last_eval = evaluate_round(bundle_path(run_dir, cfg.profile, t + 1), out, ids, domains, cfg)
             records += last_eval["records"]
-        _append(out / METRICS, records)
-    return {
-        "out": str(out),
-        "run": str(run_dir),
-        "algorithm": cfg.algorithm,
-        "rounds": cfg.rounds,
-        "clients": cfg.clients,
-        **{k: v for k, v in last_eval.items() if k != "records"},
-    }
+        append_log(out / METRICS, records)
+    return last_eval
 
 
-def prepare_study(cfg: SimConfig, out: Path) -> tuple[Path, list[str], dict[str, str]]:
-    """The study before round 0: ``config.json``, each client's ``data/<id>/{train,eval}.jsonl`` and
-    the prepared ``run``. Deterministic in ``cfg``, so a fleet started on a second copy
-    (``ciders-cloud serve``) can be checked against ``simulate`` bit for bit."""
-    if out.exists() and any(out.iterdir()):
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A fresh folder beside ``out``, renamed to ``out`` when the block succeeds and removed when it
+    fails. Its ``BUILDING`` file is locked while the process lives, so the stale folder of a killed
+    run is recognized and swept by the next one."""
+    _refuse_filled(out)
+    _sweep(out)
+    root = staging_dir(out)
+    fd = os.open(root / f"{BUILDING}.tmp", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.replace(root / f"{BUILDING}.tmp", root / BUILDING)  # appears locked: a sweep never takes it
+        try:
+            yield root
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        (root / BUILDING).unlink()
+        _publish(root, out)
+    finally:
+        os.close(fd)
+
+
+def _refuse_filled(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: already exists and is not empty; choose a new --out")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    ids = client_ids(cfg.clients)
-    domains = _materialize_data(cfg, out / "data", ids)
-    prepare(_run_config(cfg, ids, out / "data"), out / "run")
-    return out / "run", ids, domains
+
+
+def _sweep(out: Path) -> None:
+    """Remove the staging folders that killed runs left for ``out`` (their lock died with them)."""
+    for lock in out.parent.glob(f".{glob.escape(out.name)}.*/{BUILDING}"):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(lock.parent, ignore_errors=True)
+        except BlockingIOError:
+            pass  # a live run's
+        finally:
+            os.close(fd)
+
+
+def _publish(root: Path, out: Path) -> None:
+    """Point the run at its data's published path, then rename the study into place."""
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out}: was filled while simulate ran; the finished study is in {root}")
+    run = load_run(root / "run")
+    if Path(run.public_data) == root / "data" / "public.jsonl":  # the default: a sample of client data
+        public = out.absolute() / "data" / "public.jsonl"
+        write_json(root / "run" / RUN_CONFIG, run.replace(public_data=str(public)).to_dict())
+    if out.exists():
+        out.rmdir()
+    os.replace(root, out)
+    fsync_dir(out.absolute().parent)
 
 
 def _probe(run_dir: Path, out: Path, t: int, bundle: Path, ids: list[str], cfg: SimConfig) -> dict:
@@ -269,9 +357,3 @@ def _run_config(cfg: SimConfig, ids: list[str], data_root: Path) -> RunConfig:
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     clean = [{k: v for k, v in r.items() if k != "_where"} for r in rows]
     write_bytes(path, "".join(json.dumps(r) + "\n" for r in clean).encode())
-
-
-def _append(path: Path, records: list[dict]) -> None:
-    with path.open("a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ciders_edge.statedir import load_state_dir, save_state_dir
+from ciders_edge.errors import StateError
+from ciders_edge.statedir import INT, OBJECT, STR, Field, list_of, load_state_dir, optional, save_state_dir
 
 __all__ = ["ServerState", "optimizer_to_tensors", "optimizer_from_tensors"]
 
@@ -20,6 +21,14 @@ CONSENSUS = "consensus.safetensors"
 CLIENTS = "client_consensus.safetensors"
 OPTIM = "takd_optimizer.safetensors"
 FORMAT_VERSION = 1
+FIELDS = {  # state.json, checked on load
+    "round": INT,
+    "takd_step": INT,
+    "clients": list_of(STR),
+    "rng": optional(OBJECT),
+    "last_round_digests": optional(list_of(STR)),
+    "last_summary": optional(Field("an object or null", lambda v: v is None or isinstance(v, dict))),
+}
 
 
 @dataclass
@@ -59,24 +68,42 @@ class ServerState:
 
     @classmethod
     def load(cls, path: str | Path) -> ServerState:
+        """The saved state; a missing file, a mistyped field or a stray client tensor is a StateError."""
+        path = Path(path)
         names = (MESSENGER, BACKBONE, CONSENSUS, CLIENTS, OPTIM)
-        meta, tensors = load_state_dir(Path(path), names, FORMAT_VERSION, "server state")
-        clients: dict[str, dict[str, torch.Tensor]] = {cid: {} for cid in meta["clients"]}
-        for key, v in tensors[CLIENTS].items():
-            cid, name = key.split("/", 1)
-            clients[cid][name] = v
+        meta, tensors = load_state_dir(path, names, FORMAT_VERSION, "server state", FIELDS)
         return cls(
             meta["round"],
             tensors[MESSENGER],
             tensors[BACKBONE],
             tensors[CONSENSUS],
-            clients,
-            tensors[OPTIM],
+            _clients(meta["clients"], tensors[CLIENTS], path / CLIENTS),
+            _optimizer(tensors[OPTIM], path / OPTIM),
             meta["takd_step"],
             meta.get("rng", {}),
             meta.get("last_round_digests", []),
             meta.get("last_summary", {}),
         )
+
+
+def _clients(ids: list[str], flat: dict[str, torch.Tensor], where: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every c_i by client id from ``"{client}/{tensor}"`` keys; each client must be one state.json lists."""
+    clients: dict[str, dict[str, torch.Tensor]] = {cid: {} for cid in ids}
+    for key, v in flat.items():
+        cid, sep, name = key.partition("/")
+        if not sep or cid not in clients:
+            raise StateError(f"{where}: server state corrupt (tensor {key!r} is not of a client state.json lists)")
+        clients[cid][name] = v
+    return clients
+
+
+def _optimizer(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """TAKD's moments, keyed as :func:`optimizer_to_tensors` writes them (checked now, not at the next TAKD)."""
+    for key in tensors:
+        idx, sep, name = key.partition(".")
+        if not (sep and name and idx.isascii() and idx.isdigit()):
+            raise StateError(f"{where}: server state corrupt (tensor {key!r} is not an optimizer moment)")
+    return tensors
 
 
 def optimizer_to_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from .config import RunConfig, TakdConfig
 from .models import CloudModels
 from .state import optimizer_from_tensors, optimizer_to_tensors
 
-__all__ = ["hidden_term", "takd_loss", "takd_terms", "Distiller", "public_split", "TERMS"]
+__all__ = ["hidden_term", "task_term", "takd_loss", "takd_terms", "Distiller", "public_split", "TERMS"]
 
 TERMS = ("loss", "hidden", "kl", "ce")
 
@@ -45,6 +45,26 @@ def hidden_term(h_student: Tensor, h_teacher: Tensor, form: str = "relative") ->
     return (err / h_teacher.float().pow(2).sum(-1).clamp_min(1e-12)).mean()
 
 
+def task_term(logits_student: Tensor, logits_teacher: Tensor, targets: Tensor, form: str = "excess") -> Tensor:
+    """The task term CE(AdapEmu, y), the mean over the response tokens (``targets != IGNORE``).
+
+    ``excess`` (default): ``max(0, CE_L - CE_F)``, the student's mean CE beyond the teacher's (AdapFu's)
+    on the same batch. It pulls the emulator's NLL down to the full model's and no further: an emulator
+    that beats the full model at a task (the public data may hold the edges' own tasks) hides from the
+    messenger what the full backbone cannot do, and what the messenger learns on it then transfers
+    poorly to AdapFu. ``ce``: the paper's plain CE.
+    """
+    resp = targets != IGNORE
+    if not resp.any():
+        return logits_student.new_zeros((), dtype=torch.float32)
+    ce = F.cross_entropy(logits_student[resp].float(), targets[resp])
+    if form == "excess":
+        with torch.no_grad():
+            ce_teacher = F.cross_entropy(logits_teacher[resp].float(), targets[resp])
+        ce = (ce - ce_teacher).clamp_min(0)
+    return ce
+
+
 def takd_loss(
     h_student: Tensor,
     h_teacher: Tensor,
@@ -56,6 +76,7 @@ def takd_loss(
     lambda_task: float,
     lambda_hidden: float = 1.0,
     hidden_loss: str = "relative",
+    task_loss: str = "excess",
 ) -> dict[str, Tensor]:
     """Eq. (2): lambda_hidden ||h_L - h_F||^2 + lambda_out KL(AdapFu || AdapEmu) + lambda_task CE(AdapEmu, y).
 
@@ -71,8 +92,7 @@ def takd_loss(
         log_target=True,
         reduction="batchmean",
     )
-    resp = targets != IGNORE
-    ce = F.cross_entropy(logits_student[resp].float(), targets[resp]) if resp.any() else kl.new_zeros(())
+    ce = task_term(logits_student, logits_teacher, targets, task_loss)
     loss = lambda_hidden * hidden + lambda_out * kl + lambda_task * ce
     return {"loss": loss, "hidden": hidden, "kl": kl, "ce": ce}
 
@@ -99,6 +119,7 @@ def takd_terms(models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -
         lambda_task=cfg.lambda_task,
         lambda_hidden=cfg.lambda_hidden,
         hidden_loss=cfg.hidden_loss,
+        task_loss=cfg.task_loss,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ __all__ = [
     "replace_dir",
     "recover_dir",
     "staging_dir",
+    "remove_stale_staging",
     "fsync_dir",
     "fsync_tree",
 ]
@@ -108,6 +110,23 @@ def replace_dir(staging: Path, target: Path) -> None:
     fsync_dir(target.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+_STAGING = re.compile(r"\..+\.[A-Za-z0-9_]{8}(\.tmp)?")  # staging_dir's folders, write_bytes' temp files
+
+
+def remove_stale_staging(root: Path) -> list[Path]:
+    """Delete the staging folders and temp files a killed writer left under ``root``; returns them.
+
+    Only safe while no writer can be running there (``ciders-cloud``'s run lock is held).
+    """
+    stale = [p for p in root.rglob(".*") if _STAGING.fullmatch(p.name)]
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
 
 
 def recover_dir(target: Path) -> None:

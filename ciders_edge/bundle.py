@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import reprlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +21,12 @@ from safetensors.torch import load_file
 
 from . import __version__
 from .atomic import fsync_dir, replace_dir, staging_dir, write_bytes, write_json, write_safetensors
-from .checksums import hash_folder, verify_files
-from .errors import BundleError
+from .checksums import check_relpath, hash_folder, verify_files
+from .config import ConfigMixin, RoundHyperparams
+from .errors import BundleError, ConfigError
+from .lora import LoraSettings
+from .profiles import BACKBONES, DTYPES, DeviceProfile
+from .split import SplitSpec
 
 __all__ = ["Bundle", "BundleContents", "MANIFEST", "producer_versions"]
 
@@ -36,6 +42,33 @@ PEFT_CONFIG = "adapter_config.json"
 CONSENSUS_FILE = "consensus.safetensors"
 FULL_DIR = "full_backbone"  # the source layers AdapFu needs beyond backbone.safetensors, and the source config
 FULL_WEIGHTS = f"{FULL_DIR}/model.safetensors"
+# what every bundle lists: Bundle.load refuses a manifest without them rather than fail later, unverified
+CORE_FILES = (
+    BACKBONE_FILE,
+    MESSENGER_FILE,
+    CONSENSUS_FILE,
+    f"{ADAPTER_DIR}/{PEFT_WEIGHTS}",
+    f"{ADAPTER_DIR}/{PEFT_CONFIG}",
+    f"{BACKBONE_ADAPTER_DIR}/{PEFT_WEIGHTS}",
+    f"{BACKBONE_ADAPTER_DIR}/{PEFT_CONFIG}",
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+)
+FULL_FILES = (FULL_WEIGHTS, f"{FULL_DIR}/config.json")  # a bundle that deploys AdapFu
+REQUIRED_FIELDS = (
+    "round",
+    "split",
+    "files",
+    "lora",
+    "backbone_lora",
+    "hyperparameters",
+    "base_model",
+    "dtype",
+    "profile",
+)
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_LAYERS = 10_000  # bounds the layer lists a split builds
 
 
 def producer_versions() -> dict[str, str]:
@@ -96,17 +129,16 @@ class Bundle:
         """Open a bundle, verifying the manifest and the checksum of every file.
 
         Raises:
-            BundleError: a file is missing, changed, or the manifest is not a bundle's.
+            BundleError: a file is missing or changed; the manifest is not a bundle's, lacks a core
+                file, lists a path outside the folder, or holds a field of the wrong type.
         """
         path = Path(path)
         mpath = path / MANIFEST
-        if not mpath.is_file():
-            raise BundleError(f"{path}: not a bundle (no {MANIFEST})")
-        raw = mpath.read_bytes()
+        raw = _read_manifest(path, mpath)
         try:
             manifest = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise BundleError(f"{mpath}: corrupt manifest ({err.msg})") from None
+        except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deep, a 5000-digit number
+            raise BundleError(f"{mpath}: corrupt manifest ({getattr(err, 'msg', err)})") from None
         _validate_manifest(manifest, mpath)
         verify_files(path, manifest["files"], BundleError, "bundle")
         return cls(path, manifest, hashlib.sha256(raw).hexdigest())
@@ -176,16 +208,125 @@ class Bundle:
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+def _read_manifest(path: Path, mpath: Path) -> bytes:
+    """The manifest's bytes, refused beyond MAX_MANIFEST_BYTES (it lists files, it holds none)."""
+    try:
+        if not mpath.is_file():
+            raise FileNotFoundError
+        with mpath.open("rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise BundleError(f"{path}: not a bundle (no {MANIFEST})") from None
+    except OSError as err:
+        raise BundleError(f"{mpath}: unreadable ({err.strerror or err})") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{mpath}: corrupt manifest (over {MAX_MANIFEST_BYTES} bytes)")
+    return raw
+
+
 def _validate_manifest(m: object, where: Path) -> None:
+    """Type-check every field the toolkit reads, and the file list, before anything is opened: a
+    manifest is data from elsewhere, and what it says decides which files are read and how."""
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise BundleError(f"{where}: not a CIDERS bundle manifest")
-    if m.get("format_version") != FORMAT_VERSION:
+    if type(m.get("format_version")) is not int or m["format_version"] != FORMAT_VERSION:
         raise BundleError(
-            f"{where}: bundle format version {m.get('format_version')} is not supported (expected {FORMAT_VERSION})"
+            f"{where}: bundle format version {reprlib.repr(m.get('format_version'))} is not supported "
+            f"(expected {FORMAT_VERSION})"
         )
-    for key in ("round", "split", "files", "lora", "hyperparameters"):
+    for key in REQUIRED_FIELDS:
         if key not in m:
             raise BundleError(f"{where}: manifest lacks {key!r}")
+    if not _is_int(m["round"]) or m["round"] < 0:
+        raise BundleError(f"{where}: manifest field 'round' must be a round number, got {reprlib.repr(m['round'])}")
+    _check_files(m, where)
+    _check_split(m["split"], where)
+    _check_base_model(m["base_model"], where)
+    if not isinstance(m["dtype"], str) or m["dtype"] not in DTYPES:
+        raise BundleError(
+            f"{where}: manifest field 'dtype' must be one of {', '.join(DTYPES)}, got {reprlib.repr(m['dtype'])}"
+        )
+    if m.get("deploy_backbone", "emu") not in BACKBONES:
+        raise BundleError(f"{where}: manifest field 'deploy_backbone' must be one of {', '.join(BACKBONES)}")
+    for key, check in OPTIONAL_FIELDS.items():
+        if key in m and not check(m[key]):
+            raise BundleError(f"{where}: manifest field {key!r} has the wrong type ({reprlib.repr(m[key])})")
+    _check_settings(m, where)
+
+
+def _check_files(m: dict, where: Path) -> None:
+    """Every listed path plain and relative, every core file listed (so nothing is read unverified)."""
+    files = m["files"]
+    if not isinstance(files, dict):
+        raise BundleError(f"{where}: manifest field 'files' must be an object of path: sha256")
+    for rel in files:
+        check_relpath(rel, BundleError, str(where))
+    if MANIFEST in files:
+        raise BundleError(f"{where}: the manifest lists itself")
+    full = m.get("deploy_backbone") == "full" or FULL_WEIGHTS in files
+    missing = [f for f in CORE_FILES + (FULL_FILES if full else ()) if f not in files]
+    if missing:
+        raise BundleError(f"{where}: manifest does not list {', '.join(missing[:3])}; not a complete bundle")
+
+
+def _check_split(split: object, where: Path) -> None:
+    """The split's fields typed, and ``kept`` the layers its n, a, beta select."""
+    ok = isinstance(split, dict) and all(_is_int(split.get(k)) for k in ("n", "a"))
+    ok = ok and _is_number(split.get("beta")) and isinstance(split.get("kept"), list)
+    ok = ok and all(_is_int(i) for i in split["kept"]) and 0 < split["n"] <= MAX_LAYERS
+    if not ok:
+        raise BundleError(
+            f"{where}: manifest field 'split' needs integers n (1..{MAX_LAYERS}), a, number beta, list kept"
+        )
+    try:
+        SplitSpec.from_dict(split)
+    except ConfigError as err:
+        raise BundleError(f"{where}: manifest field 'split': {err}") from None
+
+
+def _check_base_model(base: object, where: Path) -> None:
+    if not isinstance(base, dict) or not all(isinstance(base.get(k), str) for k in ("id", "revision")):
+        raise BundleError(f"{where}: manifest field 'base_model' needs string id and revision")
+
+
+def _check_settings(m: dict, where: Path) -> None:
+    """The config dataclasses the edge builds from the manifest: typed fields, then their own checks."""
+    for key, cls in (("lora", LoraSettings), ("backbone_lora", LoraSettings), ("hyperparameters", RoundHyperparams)):
+        _check_dataclass(m[key], cls, f"{where}: manifest field {key!r}")
+    _check_dataclass(m["profile"], DeviceProfile, f"{where}: manifest field 'profile'")
+    if not isinstance(m["profile"].get("name"), str):
+        raise BundleError(f"{where}: manifest field 'profile' needs a string name")
+
+
+def _check_dataclass(d: object, cls: type[ConfigMixin], where: str) -> None:
+    """``d`` fits ``cls``'s typed fields (unknown keys are left alone) and passes its own checks."""
+    if not isinstance(d, dict):
+        raise BundleError(f"{where} must be an object")
+    try:
+        cls.from_dict(d, where)
+    except (ConfigError, TypeError, ValueError) as err:  # a type error names `where`; a range error does not
+        raise BundleError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    """A finite JSON number that converts to a float (an integer of 400 digits does not)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+OPTIONAL_FIELDS = {
+    "takd_step": lambda v: _is_int(v) and v >= 0,
+    "special_tokens": lambda v: isinstance(v, dict) and all(t is None or _is_int(t) for t in v.values()),
+    "fidelity": lambda v: v is None or isinstance(v, dict),
+}
 
 
 def _write_contents(d: Path, c: BundleContents) -> None:

@@ -1,39 +1,140 @@
 """Configuration dataclasses shared by edge and cloud, and the round hyperparameters.
 
-TOML and JSON keys equal the field names; unknown keys are warned about and dropped.
+TOML and JSON keys equal the field names. :meth:`ConfigMixin.from_dict` checks every value against
+its field's type hint, so a wrong type is a one-line :class:`ConfigError` naming the file and key,
+not a ``TypeError`` rounds later. Unknown keys are errors in files a user writes (``strict``) and
+are warned about and dropped in saved JSON (a newer version's keys must not break an older reader).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
+import types
 import warnings
 from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from .errors import ConfigError
 
-__all__ = ["ConfigMixin", "RoundHyperparams", "gamma_schedule"]
+__all__ = ["ConfigMixin", "RoundHyperparams", "gamma_schedule", "check_value"]
 
 T = TypeVar("T", bound="ConfigMixin")
 
+_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
+_PLURALS = {int: "integers", float: "numbers", str: "strings", bool: "booleans", dict: "tables"}
+
+
+def _members(hint: Any) -> tuple:
+    """The alternatives of ``X | Y`` (or ``hint`` alone)."""
+    return get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+
+
+def check_value(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (as TOML or JSON gives it) fits ``hint``: an int passes for a float, a bool
+    never passes for a number (``True`` is an ``int`` to Python, not to a config)."""
+    if len(alts := _members(hint)) > 1:
+        return any(check_value(value, a) for a in alts)
+    origin, args = get_origin(hint) or hint, get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return hint is bool
+    if hint is float:
+        return isinstance(value, int | float) and _finite(value)
+    if origin is list:
+        return isinstance(value, list) and (not args or all(check_value(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict) and (not args or all(check_value(v, args[1]) for v in value.values()))
+    return isinstance(value, origin)
+
+
+def _finite(value: int | float) -> bool:
+    """NaN and infinity are no setting; nor is an integer too large for a float."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _describe(hint: Any) -> str:
+    """``hint`` in a config writer's words: "a list of strings", "a number" (TOML has no None)."""
+    alts = [a for a in _members(hint) if a is not type(None)]
+    if len(alts) > 1:
+        return " or ".join(_describe(a) for a in alts)
+    hint = alts[0]
+    origin, args = get_origin(hint) or hint, get_args(hint)
+    if origin is list:
+        return f"a list of {_PLURALS.get(args[0], getattr(args[0], '__name__', str(args[0])))}" if args else "a list"
+    return _NAMES.get(origin, getattr(origin, "__name__", str(origin)))
+
 
 class ConfigMixin:
-    """``to_dict`` / ``from_dict`` for config dataclasses (after PEFT's ``PeftConfigMixin``)."""
+    """``to_dict`` / ``from_dict`` for config dataclasses (after PEFT's ``PeftConfigMixin``).
+
+    ``CHOICES`` names the fields with a fixed set of values, ``TABLES`` the ``dict`` fields that hold
+    another config's keys (a TOML table), so both are checked where the file is read.
+    """
+
+    CHOICES: ClassVar[dict[str, tuple]] = {}
+    TABLES: ClassVar[dict[str, type[ConfigMixin]]] = {}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
 
     @classmethod
-    def from_dict(cls: type[T], d: dict[str, Any], where: str = "") -> T:
-        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(d) - names)
+    @functools.cache
+    def field_types(cls) -> dict[str, Any]:
+        """Each field's resolved type hint, by name (read-only: it is cached)."""
+        hints = get_type_hints(cls)
+        return {f.name: hints[f.name] for f in fields(cls)}  # type: ignore[arg-type]
+
+    @classmethod
+    def check(cls, d: dict[str, Any], where: str = "", table: str = "", strict: bool = True) -> dict[str, Any]:
+        """``d``'s known keys, each checked against its field's type, allowed values and (for a table)
+        the table's own keys; ``where`` (a file) and ``table.key`` name the culprit in the error."""
+        types_ = cls.field_types()
+        where = where or cls.__name__
+        unknown = sorted(set(d) - set(types_))
+        if unknown and strict:
+            raise ConfigError(_unknown(where, table, unknown[0], types_))
         if unknown:
-            warnings.warn(f"{where or cls.__name__}: unknown keys ignored: {', '.join(unknown)}", stacklevel=2)
-        return cls(**{k: v for k, v in d.items() if k in names})
+            names = ", ".join(_dotted(table, k) for k in unknown)
+            warnings.warn(f"{where}: unknown keys ignored: {names}", stacklevel=3)
+        out = {}
+        for key, value in d.items():
+            if key not in types_:
+                continue
+            name, choices = _dotted(table, key), cls.CHOICES.get(key)
+            if not check_value(value, types_[key]) or (choices and value not in choices):
+                expected = _describe(types_[key]) + (f", one of {', '.join(map(repr, choices))}" if choices else "")
+                raise ConfigError(f"{where}: `{name}` must be {expected}; got {value!r}")
+            sub = cls.TABLES.get(key)
+            out[key] = sub.check(value, where, name, strict) if sub and isinstance(value, dict) else value
+        return out
+
+    @classmethod
+    def from_dict(cls: type[T], d: dict[str, Any], where: str = "", strict: bool = False) -> T:
+        """An instance from TOML or JSON keys, checked by :meth:`check` (``where``: the file)."""
+        return cls(**cls.check(d, where, strict=strict))
 
     def replace(self: T, **changes: Any) -> T:
         """A copy with ``changes`` applied (``None`` values are ignored, as unset CLI flags)."""
         return type(self).from_dict({**self.to_dict(), **{k: v for k, v in changes.items() if v is not None}})
+
+
+def _dotted(table: str, key: str) -> str:
+    return f"{table}.{key}" if table else key
+
+
+def _unknown(where: str, table: str, key: str, known: dict) -> str:
+    """One line for an unknown key, with the nearest known one (a typo such as ``local_step``)."""
+    near = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean `{_dotted(table, near[0])}`?" if near else f" (known: {', '.join(known)})"
+    return f"{where}: unknown key `{_dotted(table, key)}`{hint}"
 
 
 @dataclass
@@ -44,6 +145,13 @@ class RoundHyperparams(ConfigMixin):
     1e-4, 10 and 0.02 assume 150 rounds and are the ``paper`` preset. The rest are the paper's
     (Qwen2.5-3B, protocol A); ``eta_in`` defaults to ``eta``.
     """
+
+    CHOICES = {
+        "optimizer": ("adamw", "sgd"),
+        "solver": ("fo", "fd", "svrg"),
+        "start_from": ("global", "personalized"),
+        "hvp": ("auto", "autograd", "fd"),
+    }
 
     local_steps: int = 20  # K
     eta: float = 3e-3  # base learning rate of the messenger LoRA

@@ -13,7 +13,7 @@ import torch
 from .atomic import recover_dir
 from .bundle import Bundle
 from .errors import StateError
-from .statedir import load_state_dir, save_state_dir
+from .statedir import INT, STR, Field, list_of, load_state_dir, optional, save_state_dir
 from .update import Tensors
 
 __all__ = ["ClientState", "METRICS_LOG"]
@@ -24,6 +24,20 @@ MESSENGER = "messenger.safetensors"  # x_K, the personalized messenger LoRA
 RNG = "rng.safetensors"
 METRICS_LOG = "metrics.jsonl"
 FORMAT_VERSION = 1
+COUNTERS = ("rounds", "steps", "examples_seen")
+FIELDS = {  # state.json, checked on load
+    "client_id": STR,
+    "model_revision": STR,
+    "kept_layers": list_of(INT),
+    "round": INT,
+    "bundle_id": STR,
+    "frozen_digest": optional(STR),
+    "run_id": optional(STR),
+    "counters": Field(
+        "an object of integer " + ", ".join(COUNTERS),
+        lambda v: isinstance(v, dict) and all(INT.check(v.get(k)) for k in COUNTERS),
+    ),
+}
 
 
 @dataclass
@@ -40,6 +54,16 @@ class ClientState:
     personalized: Tensors = field(default_factory=dict)
     counters: dict = field(default_factory=lambda: {"rounds": 0, "steps": 0, "examples_seen": 0})
     rng: torch.Tensor | None = None  # torch CPU generator state
+    run_id: str = ""  # the run (bundle manifest's run_id) this state's c_i belongs to
+
+    def check_run(self, bundle: Bundle) -> None:
+        """Refuse a bundle of another run: this c_i is a share of that run's consensus, not this one's."""
+        theirs = bundle.manifest.get("run_id", "")
+        if self.run_id and theirs and self.run_id != theirs:
+            raise StateError(
+                f"this state belongs to run {self.run_id[:12]}, the bundle to run {theirs[:12]}; "
+                "use this run's state folder, or a new --state (a new client)"
+            )
 
     def check_model(self, bundle: Bundle) -> None:
         """Refuse a bundle of another base model or split: nothing of this state applies to it."""
@@ -62,6 +86,7 @@ class ClientState:
             "bundle_id": self.bundle_id,
             "frozen_digest": self.frozen_digest,
             "counters": self.counters,
+            "run_id": self.run_id,
         }
         rng = {"torch": self.rng} if self.rng is not None else {}
         save_state_dir(Path(path) / CURRENT, {CONSENSUS: self.c_i, MESSENGER: self.personalized, RNG: rng}, meta)
@@ -73,8 +98,10 @@ class ClientState:
         recover_dir(cur)
         if not cur.exists():
             return None
-        meta, t = load_state_dir(cur, (CONSENSUS, MESSENGER, RNG), FORMAT_VERSION, "client state")
+        meta, t = load_state_dir(cur, (CONSENSUS, MESSENGER, RNG), FORMAT_VERSION, "client state", FIELDS)
         c_i, personalized, rng = t[CONSENSUS], t[MESSENGER], t[RNG].get("torch")
+        if rng is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
+            raise StateError(f"{cur / RNG}: client state corrupt (`torch` is not a generator state: {rng.dtype})")
         return cls(
             meta["client_id"],
             meta["model_revision"],
@@ -86,4 +113,5 @@ class ClientState:
             personalized,
             meta["counters"],
             rng,
+            meta.get("run_id", ""),
         )

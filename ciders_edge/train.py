@@ -24,7 +24,7 @@ from .emu import EdgeModel, load_edge_model
 from .errors import ConfigError, PacketError, StateError
 from .local import LocalResult, local_update
 from .objective import MessengerObjective
-from .packet import Packet
+from .packet import Packet, consensus_digest
 from .profiles import DeviceProfile, load_profile, pick_device
 from .state import METRICS_LOG, ClientState
 from .update import Tensors, add, norm, reconstruct_displacement
@@ -67,6 +67,7 @@ def check_state(state: ClientState | None, bundle: Bundle) -> None:
     if state is None:
         return
     state.check_model(bundle)
+    state.check_run(bundle)
     if bundle.round < state.round:
         raise StateError(f"bundle round {bundle.round} is older than this state's round {state.round}")
     if bundle.round == state.round:
@@ -122,6 +123,7 @@ def train_round(
         "delta_norm": norm(result.delta),
         "gamma": hp.gamma,  # the cloud inverts eq. (10) with these: they must be the round's
         "alpha": hp.alpha,
+        "c_i_digest": consensus_digest(state.c_i),  # the cloud checks its copy of c_i is this one
     }
     tensors = {**result.dc, **grad_y}
     data = Packet(client_id, bundle.round, bundle.bundle_id, codec, len(examples), tensors, metrics).to_bytes(key)
@@ -142,6 +144,7 @@ def train_round(
             "examples_seen": state.counters["examples_seen"] + hp.local_steps * hp.batch_size * hp.grad_accum,
         },
         rng=torch.get_rng_state(),
+        run_id=bundle.manifest.get("run_id", ""),
     )
     delta_sent = reconstruct_displacement(dc, state.c_i, c, hp.alpha, hp.gamma)
     return RoundOutput(packet, data, new_state, result, delta_sent)

@@ -26,12 +26,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A free port whose next one is free too: `serve` puts the Fleet API on the first and its
+    loopback-only Control and Runtime APIs on the next."""
+    for _ in range(50):
+        port = free_port()
+        if port < 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise AssertionError("no two free ports in a row")
+
+
 class Fleet:
     """One run folder served on 127.0.0.1 with TLS, and its edges' state folders under ``root``."""
 
     def __init__(self, run_dir: Path, root: Path) -> None:
         self.run_dir, self.root = run_dir, root
-        self.port = free_port()
+        self.port = free_port_pair()
         self.procs: dict[str, subprocess.Popen] = {}
         if not (run_dir / "certs").exists():
             make_certs(run_dir / "certs", [])

@@ -1,6 +1,7 @@
 """`ciders-cloud aggregate`: packet checks change nothing; a kill -9 at any moment is survivable."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -13,9 +14,12 @@ from conftest import fast_run_config
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
+from ciders_cloud.lock import run_lock
 from ciders_cloud.prepare import STATE_DIR
+from ciders_cloud.rounds import aggregate_packets
 from ciders_cloud.state import ServerState
 from ciders_edge.bundle import Bundle
+from ciders_edge.errors import StateError
 from ciders_edge.packet import Packet
 from ciders_edge.train import train
 
@@ -34,6 +38,13 @@ def round0(tmp_path_factory, demo_dir):
     for cid, fam in (("a", "dates"), ("b", "code")):
         train(bundle, demo_dir / fam / "train.jsonl", root / f"state-{cid}", root / f"{cid}.pkt", client_id=cid)
     return root
+
+
+def _like(p: Packet, **changes) -> Packet:
+    """``p`` with some fields changed (its metrics, which name the gamma and alpha, kept)."""
+    fields = {"client_id": p.client_id, "round": p.round, "bundle_id": p.bundle_id, "codec": p.codec}
+    fields |= {"num_examples": p.num_examples, "tensors": p.tensors, "metrics": p.metrics} | changes
+    return Packet(**fields)
 
 
 def _copy(round0, tmp_path):
@@ -56,26 +67,16 @@ def _args(run, packets):
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda p: Packet(p.client_id, 1, p.bundle_id, p.codec, p.num_examples, p.tensors), "is for round 1"),
-        (lambda p: Packet(p.client_id, 0, "f" * 64, p.codec, p.num_examples, p.tensors), "trained on bundle ffff"),
-        (lambda p: Packet("mallory", 0, p.bundle_id, p.codec, p.num_examples, p.tensors), "unknown client id"),
-        (
-            lambda p: Packet(
-                p.client_id, 0, p.bundle_id, p.codec, p.num_examples, {k: v[:1] for k, v in p.tensors.items()}
-            ),
-            "has shape",
-        ),
-        (
-            lambda p: Packet(
-                p.client_id,
-                0,
-                p.bundle_id,
-                p.codec,
-                p.num_examples,
-                {k: v * float("nan") for k, v in p.tensors.items()},
-            ),
-            "non-finite",
-        ),
+        (lambda p: _like(p, round=1), "is for round 1"),
+        (lambda p: _like(p, bundle_id="f" * 64), "trained on bundle ffff"),
+        (lambda p: _like(p, client_id="mallory"), "unknown client id"),
+        (lambda p: _like(p, tensors={k: v[:1] for k, v in p.tensors.items()}), "has shape"),
+        (lambda p: _like(p, tensors={k: v * float("nan") for k, v in p.tensors.items()}), "non-finite"),
+        # finite but huge: eq. (11) divides by alpha and overflows; v and c would be Inf for every edge
+        (lambda p: _like(p, tensors={k: torch.full_like(v, 3e38) for k, v in p.tensors.items()}), "not finite"),
+        (lambda p: _like(p, tensors={k: v * 1e6 for k, v in p.tensors.items()}), "refused as an outlier"),
+        (lambda p: _like(p, metrics={k: v for k, v in p.metrics.items() if k != "alpha"}), "which alpha"),
+        (lambda p: _like(p, metrics={**p.metrics, "c_i_digest": "0" * 64}), "is not the cloud's copy"),
     ],
 )
 def test_bad_packet_changes_nothing(round0, tmp_path, mutate, message):
@@ -123,6 +124,10 @@ def _round(run):
         return None
 
 
+def _summary(run):
+    return json.loads((run / STATE_DIR / "state.json").read_text())["last_summary"]
+
+
 def _cli(run, packets):
     return [sys.executable, "-m", "ciders_cloud", *_args(run, packets)]
 
@@ -131,6 +136,8 @@ def test_kill_9_at_any_moment_then_rerun_equals_uninterrupted(round0, tmp_path):
     ref_run, packets = _copy(round0, tmp_path / "ref")
     subprocess.run(_cli(ref_run, packets), check=True, capture_output=True, timeout=300)
     expected = _state_bytes(ref_run)
+    expected_log = (ref_run / "distill.jsonl").read_text()
+    expected_down = _summary(ref_run)["bytes_down"]
     expected_bundle = Bundle.load(ref_run / "bundles" / "cpu-laptop" / "round-0001").manifest["files"]
     bundles_dir = "bundles/cpu-laptop"
     # kill points: while starting, while writing round 1's bundle, right after the state swap
@@ -152,6 +159,10 @@ def test_kill_9_at_any_moment_then_rerun_equals_uninterrupted(round0, tmp_path):
         assert rerun.returncode == 0, rerun.stderr
         assert _state_bytes(run) == expected, when
         assert Bundle.load(run / bundles_dir / "round-0001").manifest["files"] == expected_bundle
+        # the rerun's record is the uninterrupted one's: every TAKD step logged once, bytes down against round 0
+        assert (run / "distill.jsonl").read_text() == expected_log, when
+        assert _summary(run)["bytes_down"] == expected_down, when
+        assert not [p for p in run.rglob(".*") if p.name not in (".lock",)], when  # no staging left behind
 
 
 def test_packet_trained_with_another_gamma_or_a_bad_id_is_refused(round0, tmp_path):
@@ -165,3 +176,65 @@ def test_packet_trained_with_another_gamma_or_a_bad_id_is_refused(round0, tmp_pa
     Packet("../../etc/x", 0, p.bundle_id, p.codec, p.num_examples, p.tensors).save(tmp_path / "x.pkt")
     r = runner.invoke(cloud, _args(run, [str(tmp_path / "x.pkt")]))
     assert r.exit_code == 1 and "is not a valid id" in r.stderr
+
+
+def test_a_second_writer_is_refused_while_the_run_is_locked(round0, tmp_path):
+    """aggregate and distill each read the state, work, and commit: while one holds the run, another
+    is refused at once, naming the holder, and writes nothing; a killed holder leaves no stale lock."""
+    run, packets = _copy(round0, tmp_path)
+    before = _state_bytes(run)
+    with run_lock(run, "aggregate"):
+        agg = runner.invoke(cloud, _args(run, packets))
+        dist = runner.invoke(cloud, ["distill", "--run", str(run), "--steps", "1"])
+    for r in (agg, dist):
+        assert r.exit_code == 1 and f"in use by `aggregate` (PID {os.getpid()}," in r.stderr, r.output
+    assert _state_bytes(run) == before and not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
+    holder = "import os, sys\nfrom ciders_cloud.lock import run_lock\n"
+    holder += "with run_lock(sys.argv[1], 'x'):\n    os.kill(os.getpid(), 9)"
+    assert subprocess.run([sys.executable, "-c", holder, str(run)]).returncode == -signal.SIGKILL
+    r = runner.invoke(cloud, _args(run, packets))
+    assert r.exit_code == 0, r.output
+
+
+def test_edge_and_cloud_copies_of_c_i_cannot_diverge(round0, tmp_path, demo_dir):
+    """A lost edge state (a fresh c_i = 0 for a client the cloud has aggregated) is refused by the
+    cloud; a damaged state file, or a state of another run, is refused by `train` itself."""
+    run, packets = _copy(round0, tmp_path)
+    assert runner.invoke(cloud, _args(run, packets)).exit_code == 0
+    bundle = run / "bundles" / "cpu-laptop" / "round-0001"
+    train_file = demo_dir / "dates" / "train.jsonl"
+    train(bundle, train_file, tmp_path / "lost", tmp_path / "lost.pkt", client_id="a")  # a fresh state
+    r = runner.invoke(cloud, _args(run, [str(tmp_path / "lost.pkt")]))
+    assert r.exit_code == 1 and "client 'a' trained from a c_i" in r.stderr and "not the cloud's copy" in r.stderr
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(round0 / "state-a", damaged)
+    c_i = damaged / "current" / "consensus.safetensors"
+    raw = bytearray(c_i.read_bytes())
+    raw[-3] ^= 1  # one bit of one float: still loads, but is not the c_i the cloud holds
+    c_i.write_bytes(bytes(raw))
+    with pytest.raises(StateError, match="fails its checksum"):
+        train(bundle, train_file, damaged, tmp_path / "d.pkt", client_id="a")
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(round0 / "state-a", foreign)
+    meta = json.loads((foreign / "current" / "state.json").read_text())
+    (foreign / "current" / "state.json").write_text(json.dumps({**meta, "run_id": "f" * 32}))
+    with pytest.raises(StateError, match="this state belongs to run ffffffffffff"):
+        train(bundle, train_file, foreign, tmp_path / "f.pkt", client_id="a")
+
+
+def test_the_fleet_drops_an_outlier_and_aggregates_the_others(round0, tmp_path):
+    """With drop_outliers (what the fleet's coordinator asks for) a poisoned packet is left out with its
+    reason, its client's c_i is not advanced, and the round equals one aggregated without it."""
+    run, packets = _copy(round0, tmp_path)
+    ref, _ = _copy(round0, tmp_path / "ref")
+    bad = _like(Packet.load(packets[1]), tensors={k: v * 1e6 for k, v in Packet.load(packets[1]).tensors.items()})
+    items = [(packets[0], open(packets[0], "rb").read()), ("b-poisoned", bad.to_bytes())]
+    summary = aggregate_packets(run, items, drop_outliers=True)
+    assert list(summary["dropped"]) == ["b"] and "refused as an outlier" in summary["dropped"]["b"]
+    assert summary["clients"] == ["a"] and set(ServerState.load(run / STATE_DIR).clients) == {"a"}
+    aggregate_packets(ref, items[:1])
+    got, expected = _state_bytes(run), _state_bytes(ref)
+    for name in ("consensus.safetensors", "messenger_lora.safetensors", "client_consensus.safetensors"):
+        assert got[name] == expected[name], name

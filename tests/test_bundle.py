@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -84,3 +85,128 @@ def test_missing_file_and_bad_manifest(tiny_run, tmp_path):
         Bundle.load(copy)
     with pytest.raises(BundleError, match="no manifest.json"):
         Bundle.load(tmp_path)
+
+
+# Issue 16, item 9: Bundle.load trusts nothing the manifest says.
+
+
+def _copy_with_manifest(tiny_run, tmp_path, edit):
+    """A copy of the round-0 bundle whose manifest ``edit(manifest)`` changed (in place)."""
+    import shutil
+
+    copy = tmp_path / "b"
+    shutil.copytree(_bundle_dir(tiny_run), copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    edit(m)
+    (copy / "manifest.json").write_text(json.dumps(m))
+    return copy
+
+
+def _sha(path):
+    from ciders_edge.checksums import sha256_file
+
+    return sha256_file(path)
+
+
+@pytest.mark.parametrize("rel", ["../outside.txt", "{abs}", "adapter/../../outside.txt", "./config.json", "a//b"])
+def test_a_path_outside_the_folder_is_refused_even_with_the_right_sha256(tiny_run, tmp_path, rel):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("root:x:0:0")
+    rel = rel.format(abs=outside)
+    copy = _copy_with_manifest(tiny_run, tmp_path, lambda m: m["files"].update({rel: _sha(outside)}))
+    with pytest.raises(BundleError, match="unsafe path"):
+        Bundle.load(copy)
+
+
+def test_a_link_out_of_the_folder_is_refused(tiny_run, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("root:x:0:0")
+    copy = _copy_with_manifest(tiny_run, tmp_path, lambda m: m["files"].update({"extra.txt": _sha(outside)}))
+    (copy / "extra.txt").symlink_to(outside)
+    with pytest.raises(BundleError, match=r"extra\.txt: a link out of the bundle"):
+        Bundle.load(copy)
+
+
+@pytest.mark.parametrize("drop", [None, "consensus.safetensors", "adapter/adapter_model.safetensors", "config.json"])
+def test_the_core_files_must_be_listed(tiny_run, tmp_path, drop):
+    def edit(m):
+        if drop is None:
+            m["files"] = {}
+        else:
+            del m["files"][drop]
+
+    with pytest.raises(BundleError, match=rf"manifest does not list {drop or 'backbone.safetensors'}"):
+        Bundle.load(_copy_with_manifest(tiny_run, tmp_path, edit))
+
+
+def _set(path: str, value):
+    """An edit that sets the manifest field at dotted ``path`` (``...``: deletes it)."""
+
+    def edit(m):
+        *parents, last = path.split(".", 1)
+        for key in parents:
+            m = m[key]
+        if value is ...:
+            del m[last]
+        else:
+            m[last] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("round", "0", "'round' must be a round number"),
+        ("round", -1, "'round' must be a round number"),
+        ("round", True, "'round' must be a round number"),
+        ("format_version", True, "format version True is not supported"),
+        ("files", ["backbone.safetensors"], "'files' must be an object"),
+        ("files.backbone.safetensors", 5, "no sha256 for 'backbone.safetensors'"),
+        ("split.kept", ["0", "2", "5"], "'split' needs integers"),
+        ("split.n", 10**12, "'split' needs integers n"),
+        ("split.beta", 0.75, "kept layer indices"),
+        ("lora.rank", "4", "'lora': `rank` must be an integer"),
+        ("lora.rank", 0, "'lora': `rank` must be positive"),
+        ("backbone_lora", [], "'backbone_lora' must be an object"),
+        ("hyperparameters.eta", float("nan"), "'hyperparameters': `eta` must be a number"),
+        ("hyperparameters.local_steps", 2.5, "'hyperparameters': `local_steps` must be an integer"),
+        ("hyperparameters.eta_in", "fast", "`eta_in` must be a number"),
+        ("hyperparameters.solver", "newton", "`solver` must be a string, one of 'fo', 'fd', 'svrg'"),
+        ("dtype", ["float32"], "'dtype' must be one of"),
+        ("dtype", "float64", "'dtype' must be one of"),
+        ("base_model", "tiny", "'base_model' needs string id and revision"),
+        ("base_model.revision", ..., "'base_model' needs string id and revision"),
+        ("profile.name", 3, "'profile': `name` must be a string"),
+        ("profile.execution_providers", "CPUExecutionProvider", "`execution_providers` must be a list"),
+        ("deploy_backbone", "half", "'deploy_backbone' must be one of"),
+        ("special_tokens", {"eos": "2"}, "'special_tokens' has the wrong type"),
+        ("hyperparameters", ..., "manifest lacks 'hyperparameters'"),
+    ],
+)
+def test_a_mistyped_manifest_field_is_named(tiny_run, tmp_path, path, value, message):
+    with pytest.raises(BundleError, match=re.escape(message)):
+        Bundle.load(_copy_with_manifest(tiny_run, tmp_path, _set(path, value)))
+
+
+@pytest.mark.parametrize(
+    "raw", [b'{"format": "ciders-bundle\xff"}', b"[" * 100_000, b'{"round": 1' + b"0" * 5000 + b"}", b"\x00" * 64]
+)
+def test_a_manifest_that_is_no_json_is_a_bundle_error(tiny_run, tmp_path, raw):
+    copy = _copy_with_manifest(tiny_run, tmp_path, lambda m: None)
+    (copy / "manifest.json").write_bytes(raw)
+    with pytest.raises(BundleError, match="corrupt manifest"):
+        Bundle.load(copy)
+
+
+def test_cli_verify_refuses_a_traversal_in_one_line(tiny_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from ciders_edge.cli import app as edge
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("root:x:0:0")
+    copy = _copy_with_manifest(tiny_run, tmp_path, lambda m: m["files"].update({"../outside.txt": _sha(outside)}))
+    r = CliRunner().invoke(edge, ["verify", "--bundle", str(copy)])
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and "unsafe path '../outside.txt'" in lines[0], r.output

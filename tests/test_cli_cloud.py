@@ -161,7 +161,7 @@ def test_prepare_from_a_config_file_with_flag_overrides(demo_dir, tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text(
         f'model = "tiny"\npublic_data = "{demo_dir / "public.jsonl"}"\nmessenger_depth = 3\ndrop_ratio = 0.5\n'
-        'layer_steps = 5\nalign_steps = 1\nclients = ["a", "b"]\nalgorithm = "fedavg"\n[takd]\nseq_len = 64\n'
+        'layer_steps = 5\nalign_steps = 1\nclient_ids = ["a", "b"]\nalgorithm = "fedavg"\n[takd]\nseq_len = 64\n'
         "[hyperparameters]\nlocal_steps = 4\n"
     )
     s = _json(

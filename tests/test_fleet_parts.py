@@ -8,12 +8,13 @@ import pytest
 import torch
 from conftest import fast_run_config
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.fleet.certs import make_certs
-from ciders_cloud.fleet.coordinator import NODES_DIR, Coordinator, Edge
+from ciders_cloud.fleet.coordinator import NODES_DIR, Coordinator, Edge, edge_report
 from ciders_cloud.prepare import STATE_DIR
 from ciders_edge.bundle import MANIFEST, Bundle
 from ciders_edge.checksums import hash_folder, sha256_file
@@ -227,6 +228,18 @@ def test_certs_make_a_ca_and_a_server_certificate_it_signed(tmp_path):
     with pytest.raises(ConfigError, match="already holds certificates"):
         make_certs(tmp_path / "certs", [])
     assert s["hosts"][:2] == ["localhost", "127.0.0.1"]
+    assert not (tmp_path / "certs" / "ca.key").exists() and s["ca_key"] is None  # no CA key beside the server key
+
+
+def test_the_ca_key_is_kept_only_outside_the_certificate_folder(tmp_path):
+    with pytest.raises(ConfigError, match="lies inside --out"):
+        make_certs(tmp_path / "certs", [], ca_key=tmp_path / "certs" / "ca.key")
+    assert not (tmp_path / "certs").exists()
+    make_certs(tmp_path / "certs", [], ca_key=tmp_path / "offline" / "ca.key")
+    key = serialization.load_pem_private_key((tmp_path / "offline" / "ca.key").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((tmp_path / "certs" / "ca.crt").read_bytes())
+    assert key.public_key().public_numbers() == ca.public_key().public_numbers()
+    assert (tmp_path / "offline" / "ca.key").stat().st_mode & 0o077 == 0
 
 
 def test_node_key_is_made_once_and_kept_private(tmp_path):
@@ -275,3 +288,18 @@ def test_join_bad_inputs_are_one_line_errors(demo_dir, tmp_path, args, message):
         args = [*args, "--server", "127.0.0.1:1"]
     r = runner.invoke(edge_cli, [*base, *args])
     assert r.exit_code == 1 and message in " ".join(r.output.split()), r.output
+
+
+def test_the_edge_summary_is_checked_before_it_is_logged():
+    """An edge's summary is its claim: only scalar fields of a small JSON object reach fleet/log.jsonl."""
+    good = edge_report(json.dumps({"loss_last": 0.5, "client": "a", "nested": {"x": 1}, "nan": float("nan")}))
+    assert good == {"loss_last": 0.5, "client": "a"}
+    for raw, message in [
+        ("[1, 2]", "not a JSON object"),
+        ("{", "not valid JSON"),
+        ("[" * 50_000, "not valid JSON"),  # nesting beyond the parser's recursion limit
+        ("x" * (1 << 17), "at most"),
+        (5, "at most"),
+    ]:
+        with pytest.raises(PacketError, match=message):
+            edge_report(raw)

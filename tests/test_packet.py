@@ -1,6 +1,10 @@
 import hashlib
+import io
 import json
+import random
+import resource
 import struct
+import time
 
 import pytest
 import torch
@@ -87,3 +91,101 @@ def test_save_and_load(tmp_path):
     with pytest.raises(PacketError, match="no such packet"):
         Packet.load(tmp_path / "missing.pkt")
     json.dumps(q.metrics)
+
+
+def _forge(header: dict | bytes, payload: bytes) -> bytes:
+    """A packet with any header and payload and a *valid* tag: what a hostile client can send."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    body = MAGIC + struct.pack("<BI", 1, len(raw)) + raw + struct.pack("<Q", len(payload)) + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def _header(**changes) -> dict:
+    """The header of :func:`_packet`'s packet (one fp32 tensor ``a`` of shape [2]), with changes."""
+    data = _packet().to_bytes()
+    (hlen,) = struct.unpack_from("<I", data, 9)
+    return json.loads(data[13 : 13 + hlen]) | changes
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_decompression_bomb_stops_at_the_size_the_header_implies():
+    """1 GiB of zeros in a ~40 KB frame, for a header that declares 8 bytes: refused without
+    decompressing more than 9 bytes; and a frame claiming 1 TiB in its header is refused up front."""
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor(level=1).stream_writer(out, closefd=False) as w:
+        zeros = bytes(1 << 24)
+        for _ in range(64):
+            w.write(zeros)
+    bomb = out.getvalue()
+    assert len(bomb) < 200_000
+    before = _peak_rss_mb()
+    with pytest.raises(PacketError, match="decompresses to more than the 8 bytes"):
+        Packet.from_bytes(_forge(_header(), bomb), where="bomb.pkt")
+    assert _peak_rss_mb() - before < 100
+    huge = _header(tensors=[{"name": "a", "shape": [1 << 20, 1 << 20], "scale": None}])
+    with pytest.raises(PacketError, match="claims 1099511627776 elements"):
+        Packet.from_bytes(_forge(huge, bomb))
+    short = zstandard.ZstdCompressor().compress(b"\0" * 4)
+    with pytest.raises(PacketError, match="4 bytes, not the 8 bytes"):
+        Packet.from_bytes(_forge(_header(), short))
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "malformed packet header"),  # RecursionError in the JSON parser
+        (b'{"round": 1e400}', "malformed packet header"),  # Infinity
+        (b'{"round": NaN}', "malformed packet header"),
+        (b'{"round": ' + b"9" * 5000 + b"}", "malformed packet header"),  # past int's digit limit
+        (_header(client_id=5), "'client_id' must be a string"),
+        (_header(round=1.5), "'round' must be an integer"),
+        (_header(round=True), "'round' must be an integer"),
+        (_header(round=-1), "out of range"),
+        (_header(num_examples=10**12), "out of range"),
+        (_header(num_examples=0), "out of range"),
+        (_header(metrics=[1]), "'metrics' must be an object"),
+        (_header(codec="fp64"), "unknown codec"),
+        (_header(tensors=[{"name": "a", "shape": [-2], "scale": None}]), "bad shape"),
+        (_header(tensors=[{"name": "a", "shape": [2.0], "scale": None}]), "bad shape"),
+        (_header(tensors=[{"name": "a", "shape": "2"}]), "malformed tensor entry"),
+        (_header(tensors=[{"name": "a", "shape": [1]}] * 2), "appears twice"),
+        (_header(codec="int8", tensors=[{"name": "a", "shape": [2], "scale": -0.5}]), "no valid int8 scale"),
+    ],
+)
+def test_every_header_field_is_type_checked(header, message):
+    payload = zstandard.ZstdCompressor().compress(b"\0" * 8)
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with pytest.raises(PacketError, match=message):
+        Packet.from_bytes(_forge(raw, payload), where="h.pkt")
+
+
+def test_fuzzed_packets_fail_with_one_packet_error_and_bounded_memory():
+    """Random bytes, and random bit flips, truncations and splices of a valid packet re-signed with a
+    valid tag, so that the parser behind the tag check is reached: nothing but a PacketError escapes."""
+    rng = random.Random(0)
+    valid = _packet("int8", w=torch.randn(16, 8), b=torch.randn(8)).to_bytes()
+    body = valid[:-32]
+    before, start = _peak_rss_mb(), time.monotonic()
+    for i in range(3000):
+        kind = i % 4
+        if kind == 0:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(200)))
+        else:
+            b = bytearray(body)
+            if kind == 1:
+                for _ in range(rng.randrange(1, 8)):
+                    b[rng.randrange(8, len(b))] ^= 1 << rng.randrange(8)
+            elif kind == 2:
+                b = b[: rng.randrange(len(b))]
+            else:
+                at = rng.randrange(13, len(b))
+                b[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 16)))
+            data = bytes(b) + hashlib.sha256(bytes(b)).digest()
+        try:
+            Packet.from_bytes(data)
+        except PacketError:
+            pass
+    assert time.monotonic() - start < 60 and _peak_rss_mb() - before < 200

@@ -69,6 +69,7 @@ def test_paper_preset_and_bad_config(tmp_path):
     assert cfg.rounds == 150 and cfg.clients == 5
     takd = TakdConfig().replace(**cfg.takd)  # eq. (2) as the paper writes it, whatever the defaults are
     assert (takd.hidden_loss, takd.lambda_hidden, takd.lambda_out, takd.lambda_task) == ("mse", 1.0, 0.5, 1.0)
+    assert takd.task_loss == "ce"
     hp = RoundHyperparams.from_dict(paper["hyperparameters"])
     assert (hp.eta, hp.tau, cfg.local_steps) == (1e-4, 0.02, 10)
     bad = tmp_path / "b.toml"

@@ -14,7 +14,7 @@ from ciders_cloud.fidelity import measure_fidelity
 from ciders_cloud.models import build_cloud_models
 from ciders_cloud.prepare import STATE_DIR, load_cloud_models, load_run
 from ciders_cloud.state import ServerState
-from ciders_cloud.takd import Distiller, hidden_term, public_split, takd_loss
+from ciders_cloud.takd import Distiller, hidden_term, public_split, takd_loss, task_term
 from ciders_edge.data import IGNORE, collate, load_examples
 from ciders_edge.errors import ConfigError
 from ciders_edge.models import load_tokenizer
@@ -27,7 +27,7 @@ def test_takd_loss_matches_eq2_by_hand():
     ls, lt = torch.randn(3, 5), torch.randn(3, 5)
     targets = torch.tensor([IGNORE, 2, 4])
     weights = {"lambda_out": 0.5, "lambda_task": 2.0, "lambda_hidden": 3.0}
-    terms = takd_loss(hs, ht, ls, lt, targets, **weights)
+    terms = takd_loss(hs, ht, ls, lt, targets, **weights, task_loss="ce")
     relative = sum(((hs[t] - ht[t]) ** 2).sum() / (ht[t] ** 2).sum() for t in range(3)) / 3
     pt, ps = lt.softmax(-1), ls.softmax(-1)
     kl = (pt * (pt.log() - ps.log())).sum() / 3
@@ -38,6 +38,25 @@ def test_takd_loss_matches_eq2_by_hand():
     assert math.isclose(terms["loss"].item(), (3 * relative + 0.5 * kl + 2.0 * ce).item(), rel_tol=1e-5)
     paper = takd_loss(hs, ht, ls, lt, targets, lambda_out=0.5, lambda_task=2.0, hidden_loss="mse")
     assert math.isclose(paper["hidden"].item(), (((hs - ht) ** 2).sum() / 12).item(), rel_tol=1e-5)
+
+
+def test_excess_task_term_counts_only_the_ce_beyond_the_teachers():
+    """max(0, CE_student - CE_teacher) over the batch's response tokens: the difference while the emulator
+    is worse than the full model, zero once it matches or beats it."""
+    teacher = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    worse = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.5, 0.0], [5.0, 5.0, 5.0]])
+    better = torch.tensor([[3.0, 0.0, 0.0], [0.0, 3.0, 0.0], [5.0, 5.0, 5.0]])
+    targets = torch.tensor([0, 1, IGNORE])
+
+    def ce(logits: torch.Tensor) -> torch.Tensor:
+        return -logits.log_softmax(-1)[[0, 1], [0, 1]].mean()
+
+    assert ce(worse) > ce(teacher) > ce(better)
+    assert math.isclose(task_term(worse, teacher, targets).item(), (ce(worse) - ce(teacher)).item(), rel_tol=1e-6)
+    assert task_term(better, teacher, targets).item() == 0.0
+    assert task_term(teacher, teacher, targets).item() == 0.0
+    assert math.isclose(task_term(better, teacher, targets, "ce").item(), ce(better).item(), rel_tol=1e-6)
+    assert task_term(worse, teacher, torch.full((3,), IGNORE)).item() == 0.0  # no response token, no task term
 
 
 def test_relative_hidden_term_has_its_documented_scale():
@@ -66,6 +85,8 @@ def test_takd_loss_is_zero_for_a_perfect_student():
 def test_bad_takd_settings_are_refused():
     with pytest.raises(ConfigError, match="hidden_loss"):
         TakdConfig(hidden_loss="cosine")
+    with pytest.raises(ConfigError, match="task_loss"):
+        TakdConfig(task_loss="hinge")
     with pytest.raises(ConfigError, match="align_params"):
         TakdConfig(align_params="all")
     with pytest.raises(ConfigError, match="must not be negative"):

@@ -2,7 +2,9 @@
 
 The edges trust ``ca.crt`` (``ciders-edge join --root-certificates``); the SuperLink serves
 ``server.pem`` with ``server.key``. The server certificate names localhost, 127.0.0.1 and the
-given hosts, so one set serves a loopback test or a deployment.
+given hosts, so one set serves a loopback test or a deployment. The CA's private key is kept only
+where ``ca_key`` says, outside the certificate folder (ideally offline): whoever holds it can
+impersonate the cloud to every edge, so it must not sit beside the server key in the run.
 """
 
 from __future__ import annotations
@@ -25,19 +27,22 @@ CA_CERT, CA_KEY = "ca.crt", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
 
 
-def make_certs(out: Path, hosts: list[str], days: int = 365) -> dict:
-    """Write ``ca.crt``/``ca.key`` and ``server.pem``/``server.key`` under ``out``; refuse to overwrite."""
+def make_certs(out: Path, hosts: list[str], days: int = 365, ca_key: Path | None = None) -> dict:
+    """Write ``ca.crt`` and ``server.pem``/``server.key`` under ``out``, and the CA key to ``ca_key``
+    (``None``: discarded once the server certificate is signed); refuse to overwrite."""
     if any((out / f).exists() for f in (CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY)):
         raise ConfigError(f"{out}: already holds certificates; choose a new --out or delete them")
+    if ca_key is not None and (ca_key.exists() or ca_key.resolve().is_relative_to(out.resolve())):
+        raise ConfigError(f"--ca-key {ca_key}: exists already, or lies inside --out {out}; keep the CA key elsewhere")
     names = list(dict.fromkeys(["localhost", "127.0.0.1", *hosts]))
     now = dt.datetime.now(dt.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_signing_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "CIDERS fleet CA")])
     ca = (
-        _builder(ca_name, ca_name, ca_key.public_key(), now, days)
+        _builder(ca_name, ca_name, ca_signing_key.public_key(), now, days)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(*_usage(cert_sign=True)), critical=True)
-        .sign(ca_key, hashes.SHA384())
+        .sign(ca_signing_key, hashes.SHA384())
     )
     key = ec.generate_private_key(ec.SECP384R1())
     server = (
@@ -45,13 +50,21 @@ def make_certs(out: Path, hosts: list[str], days: int = 365) -> dict:
         .add_extension(x509.SubjectAlternativeName([_san(n) for n in names]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA384())
+        .sign(ca_signing_key, hashes.SHA384())
     )
-    _write_key(out / CA_KEY, ca_key)
+    if ca_key is not None:
+        _write_key(ca_key, ca_signing_key)
     _write_key(out / SERVER_KEY, key)
     write_bytes(out / CA_CERT, ca.public_bytes(serialization.Encoding.PEM))
     write_bytes(out / SERVER_CERT, server.public_bytes(serialization.Encoding.PEM))
-    return {"out": str(out), "hosts": names, "days": days, "ca": str(out / CA_CERT), "server": str(out / SERVER_CERT)}
+    return {
+        "out": str(out),
+        "hosts": names,
+        "days": days,
+        "ca": str(out / CA_CERT),
+        "server": str(out / SERVER_CERT),
+        "ca_key": str(ca_key) if ca_key is not None else None,
+    }
 
 
 def _builder(subject: x509.Name, issuer: x509.Name, public_key, now: dt.datetime, days: int) -> x509.CertificateBuilder:

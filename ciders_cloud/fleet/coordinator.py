@@ -10,6 +10,7 @@ round closes with the others through :func:`ciders_cloud.rounds.aggregate_packet
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,7 @@ class Coordinator:
             (f"round {self.round} reply of {e.client_id}", packets[e])
             for e in sorted(packets, key=lambda e: e.client_id)
         ]
-        summary = aggregate_packets(self.run_dir, items)
+        summary = aggregate_packets(self.run_dir, items, drop_outliers=True)
         self.state = ServerState.load(self.run_dir / STATE_DIR)
         self._bundles, self._bytes = {}, {}
         return summary
@@ -141,6 +142,31 @@ class Coordinator:
         with path.open("a") as f:
             for r in records:
                 f.write(json.dumps({"time": time.time(), **r}) + "\n")
+
+
+MAX_REPORT = 1 << 16  # bytes of an edge's summary JSON
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def edge_report(raw: object) -> dict:
+    """What an edge says about its round, fit for the log: a JSON object of at most ``MAX_REPORT``
+    bytes, keeping only its scalar fields (finite numbers, strings up to 200 characters). It is the
+    edge's claim, not a fact the cloud relies on; a malformed one is a refusal like a bad packet."""
+    if not isinstance(raw, str) or len(raw) > MAX_REPORT:
+        raise PacketError(f"the edge's summary is not a JSON text of at most {MAX_REPORT} bytes")
+    try:
+        report = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise PacketError("the edge's summary is not valid JSON") from None
+    if not isinstance(report, dict):
+        raise PacketError("the edge's summary is not a JSON object")
+    return {
+        str(k)[:64]: v
+        for k, v in list(report.items())[:64]
+        if isinstance(v, _SCALARS)
+        and not (isinstance(v, float) and not math.isfinite(v))
+        and not (isinstance(v, str) and len(v) > 200)
+    }
 
 
 def refusal(err: Exception) -> str:

@@ -2,8 +2,10 @@
 
 Starts the SuperLink (TLS, SuperNode authentication, its database under ``RUN/fleet``) unless
 one is already running, registers the edges' public keys from ``RUN/nodes``, submits the
-ServerApp with ``flwr run`` and streams its log until the run ends. Everything goes through
-Flower's own command-line tools, driven with their documented flags.
+ServerApp with ``flwr run`` and streams its log until the run ends. The SuperLink is Flower's,
+started by :mod:`.superlink` so that ``--address`` serves the Fleet API alone and the Control and
+Runtime APIs listen on ``127.0.0.1:<port+1>`` only (:func:`control_address`); serve's own ``flwr``
+commands (Flower's tools, with their documented flags) talk to that loopback address.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,8 +28,9 @@ from ..prepare import STATE_DIR, load_run
 from ..state import ServerState
 from .certs import CA_CERT, SERVER_CERT, SERVER_KEY
 from .coordinator import FLEET_DIR, FLEET_LOG, NODES_DIR, node_keys
+from .superlink import GRPC_SWITCHES, LOOPBACK
 
-__all__ = ["ServeOptions", "serve"]
+__all__ = ["ServeOptions", "serve", "control_address"]
 
 APP_DIR = Path(__file__).parent / "app"
 CONNECTION = "ciders"
@@ -37,7 +41,7 @@ class ServeOptions:
     run_dir: Path
     rounds: int
     min_clients: int = 1
-    address: str = "0.0.0.0:9092"  # where the SuperLink listens for edges (and Flower's own tools)
+    address: str = "0.0.0.0:9092"  # where the SuperLink's Fleet API listens for edges (nothing else there)
     round_timeout: float = 600.0
     certs: Path | None = None  # default RUN/certs
     connect: bool = False  # use a SuperLink already running at `address`
@@ -48,6 +52,16 @@ class ServeOptions:
         host, _, port = self.address.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"--address {self.address!r}: expected HOST:PORT")
+        if not 0 < int(port) < 65535:
+            raise ConfigError(
+                f"--address {self.address!r}: the port must be 1..65534 (the next one is the Control API's)"
+            )
+
+
+def control_address(address: str) -> tuple[str, int]:
+    """Where the SuperLink serving the Fleet API on ``address`` has its Control and Runtime APIs:
+    loopback, the next port (9093 for the default 9092, Flower's own Control API port)."""
+    return LOOPBACK, int(address.rpartition(":")[2]) + 1
 
 
 def serve(opts: ServeOptions) -> dict:
@@ -90,31 +104,42 @@ def _tls(opts: ServeOptions) -> dict[str, Path]:
 def _flower_home(home: Path, opts: ServeOptions, tls: dict[str, Path]) -> dict[str, str]:
     """A Flower home for this run whose one connection is our SuperLink; the env to run Flower's tools in."""
     home.mkdir(parents=True, exist_ok=True)
-    host, _, port = opts.address.rpartition(":")
-    connection = {"address": f"{_local(host)}:{port}", "root-certificates": str(tls["ca"].resolve())}
+    host, port = control_address(opts.address)
+    connection = {"address": f"{host}:{port}", "root-certificates": str(tls["ca"].resolve())}
     lines = ["[superlink]", f"default = {json.dumps(CONNECTION)}", "", f"[superlink.{CONNECTION}]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in connection.items()]  # JSON strings are TOML basic strings
     (home / "config.toml").write_text("\n".join(lines) + "\n")
-    return flower_env(home)
+    env = flower_env(home)
+    for name in GRPC_SWITCHES:  # Flower's switches for its old gRPC servers on 0.0.0.0: never on
+        env.pop(name, None)
+    return env
 
 
 @contextmanager
 def _superlink(opts: ServeOptions, fleet: Path, env: dict[str, str], tls: dict[str, Path]) -> Iterator[None]:
     host, _, port = opts.address.rpartition(":")
+    chost, cport = control_address(opts.address)
     if opts.connect:
-        _wait_for_port(host, int(port), 5.0, "the running SuperLink")
+        _wait_for_port(chost, cport, 5.0, f"the running SuperLink's Control API (on {chost}:{cport})")
         yield
         return
-    if _listening(host, int(port)):
-        raise StateError(f"{opts.address}: something already listens there; stop it, or pass --connect to use it")
-    cmd = [flower_tool("flower-superlink"), "--host", host, "--port", port, "--enable-supernode-auth"]
+    for h, p in ((host, int(port)), (chost, cport)):
+        if _listening(h, p):
+            raise StateError(f"{h}:{p}: something already listens there; stop it, or pass --connect to use it")
+    cmd = [sys.executable, "-m", "ciders_cloud.fleet.superlink", "--public", opts.address]
+    cmd += ["--host", chost, "--port", str(cport), "--enable-supernode-auth"]
     cmd += ["--database", str((fleet / "superlink.db").resolve()), "--disable-runtime-dependency-installation"]
     cmd += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
     log = (fleet / "superlink.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_for_port(host, int(port), 60.0, f"the SuperLink (log: {fleet / 'superlink.log'})", proc)
-        console.print(f"SuperLink on {opts.address} (TLS, SuperNode authentication on)")
+        what = f"the SuperLink (log: {fleet / 'superlink.log'})"
+        _wait_for_port(chost, cport, 60.0, what, proc)
+        _wait_for_port(host, int(port), 10.0, what, proc)
+        console.print(
+            f"SuperLink: Fleet API on {opts.address} (TLS, SuperNode authentication on); "
+            f"Control and Runtime APIs on {chost}:{cport} only"
+        )
         yield
     finally:
         proc.terminate()  # it stops the ServerApp processes it started

@@ -24,7 +24,7 @@ from flwr.serverapp import Grid, ServerApp
 from ciders_edge.errors import CidersError, StateError
 from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
 
-from .coordinator import FLEET_DIR, Coordinator, Edge, refusal
+from .coordinator import FLEET_DIR, Coordinator, Edge, edge_report, refusal
 
 app = ServerApp()
 MAX_EMPTY_ROUNDS = 3  # rounds in a row without an accepted packet before the run gives up
@@ -100,7 +100,7 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> b
             content = _content(reply, "training", s)
             packet = record_bytes(content.array_records[PACKET])["packet"]
             records[e]["bytes_up"] = len(packet)
-            records[e]["edge"] = json.loads(content.config_records[SUMMARY]["json"])  # what the edge reports
+            records[e]["edge"] = edge_report(content.config_records[SUMMARY]["json"])  # what the edge reports
             co.check(e, packet)
             accepted[e] = packet
         except Exception as err:  # noqa: BLE001  one edge's bad reply must not stop the round
@@ -116,7 +116,7 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> b
         return False
     summary = co.close_round(accepted)
     for e in accepted:
-        records[e]["status"] = "aggregated"
+        records[e]["status"] = summary["dropped"].get(e.client_id, "aggregated")
     wall = time.monotonic() - started
     co.log([*records.values(), _round_record(t, summary, records, wall)])
     log(

@@ -1,7 +1,9 @@
 """``ciders-edge join``: run this device's Flower SuperNode in a fleet.
 
 The SuperNode authenticates with the state folder's node key (made on first use), trusts the
-cloud's CA over TLS, and hands every round to the ClientApp with this device's settings.
+cloud's CA over TLS, and hands every round to the ClientApp with this device's settings. It runs
+with ``--isolation process`` and its Runtime API on 127.0.0.1: the tasks it queues are run by
+:mod:`.executor`, which answers with the toolkit's own ClientApp and refuses any other app.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def join(
     cfg = EdgeConfig(state.resolve(), data.resolve(), name, codec, key.resolve() if key else None)
     cmd = [flower_tool("flower-supernode"), "--superlink", server]
     cmd += ["--auth-supernode-private-key", str(private.resolve())]
-    cmd += ["--node-config", cfg.to_node_config(), "--port", str(_free_port())]
+    runtime = f"127.0.0.1:{_free_port()}"  # the SuperNode's Runtime API, for the executor only
+    cmd += ["--node-config", cfg.to_node_config(), "--isolation", "process"]
+    cmd += ["--host", "127.0.0.1", "--port", runtime.rpartition(":")[2]]
     cmd += ["--root-certificates", str(root_certificates)]
     env = flower_env(state / "flwr")
     stop_on_sigterm()
@@ -65,7 +69,7 @@ def join(
     _wait_for_server(address, server)
     deadline = time.monotonic() + admit_wait
     while True:
-        code, flower_code = _run_supernode(cmd, env)
+        code, flower_code = _run_supernode(cmd, env, runtime)
         if flower_code != NOT_ADMITTED or time.monotonic() > deadline:
             break
         console.print("not admitted yet (the cloud may still be registering this key); trying again")
@@ -81,10 +85,16 @@ def join(
     return {"server": server, "state": str(state), "profile": name}
 
 
-def _run_supernode(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
-    """Run the SuperNode, passing its log through; returns its exit status and the Flower exit code
-    it logged (``Exit Code: N``, Flower's documented reason; the status itself is only 0 or 1)."""
+def _run_supernode(cmd: list[str], env: dict[str, str], runtime: str) -> tuple[int, int | None]:
+    """Run the SuperNode and the executor of its tasks (:mod:`.executor`, on its Runtime API at
+    ``runtime``), passing their logs through; returns the SuperNode's exit status and the Flower exit
+    code it logged (``Exit Code: N``, Flower's documented reason; the status itself is only 0 or 1)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    executor = subprocess.Popen(
+        [sys.executable, "-m", "ciders_edge.fleet.executor", "loop", "--runtime-api-address", runtime]
+        + ["--parent-pid", str(proc.pid)],
+        env=env,
+    )
     codes: list[int] = []
 
     def relay() -> None:  # a thread: the SuperNode's helper processes may keep the pipe open after it exits
@@ -105,8 +115,21 @@ def _run_supernode(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
+    finally:
+        _stop(executor)
     reader.join(timeout=2.0)
     return code, codes[-1] if codes else None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the executor loop (SIGINT; a task process it started stops with it)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _address(server: str) -> tuple[str, int]:

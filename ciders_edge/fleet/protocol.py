@@ -13,11 +13,9 @@ Files and packets ride as Flower ``Array`` objects of raw bytes, which Flower st
 
 from __future__ import annotations
 
-import hashlib
-import json
-
-import torch
 from flwr.app import Array, ArrayRecord
+
+from ..packet import consensus_digest
 
 __all__ = [
     "SYNC",
@@ -36,18 +34,6 @@ FILES = "ciders.files"  # ArrayRecord: bundle files the edge lacks, by relative 
 PACKET = "ciders.packet"  # ArrayRecord: the Δc packet
 SUMMARY = "ciders.summary"  # ConfigRecord: the edge's training summary (JSON)
 RAW = "raw-bytes"  # our Array stype: ``data`` is the payload itself
-
-
-def consensus_digest(c_i: dict[str, torch.Tensor] | None) -> str:
-    """A digest of c_i that both ends compute bit-for-bit alike; ``""`` when there is none yet."""
-    if not c_i:
-        return ""
-    h = hashlib.sha256()
-    for name in sorted(c_i):
-        t = c_i[name].detach().to("cpu").contiguous()
-        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def bytes_record(items: dict[str, bytes]) -> ArrayRecord:
