@@ -8,11 +8,10 @@ edges' K; prepare's accepted client ids are ``client_ids``. Shipped presets are 
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
-
-import tomllib
 
 from ciders_edge.errors import ConfigError
 from ciders_edge.lora import LoraSettings

@@ -52,7 +52,11 @@ def profiles(
 
 def _render_profiles(s: dict) -> None:
     if "profiles" in s:
-        table = Table("name", "target", "dtype", "memory", "messenger", "drop", "rank", "seq×batch", "runtime")
+        # piped output is 80 columns: no frame, and no value is cut (the name is the key: it never wraps)
+        table = Table(box=None, collapse_padding=True, pad_edge=False)
+        table.add_column("name", no_wrap=True, min_width=max(len(p["name"]) for p in s["profiles"]))
+        for col in ("target", "dtype", "memory", "depth", "drop", "rank", "seq×batch", "runtime"):
+            table.add_column(col, overflow="fold")
         for p in s["profiles"]:
             table.add_row(
                 p["name"],
@@ -63,7 +67,7 @@ def _render_profiles(s: dict) -> None:
                 f"{p['drop_ratio']:g}",
                 str(p["lora_rank"]),
                 f"{p['seq_len']}×{p['batch_size']}",
-                f"{p['runtime']} {p['quantization']}",
+                f"{p['runtime']}/{p['quantization']}",
             )
         console.print(table)
         return

@@ -7,11 +7,11 @@ in the ``device_profiles`` package; a path to any ``.toml`` file works too.
 from __future__ import annotations
 
 import os
+import tomllib
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-import tomllib
 import torch
 from transformers import PretrainedConfig
 

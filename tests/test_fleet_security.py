@@ -9,12 +9,12 @@ import json
 import subprocess
 import textwrap
 import time
+import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import tomllib
 from fleet_harness import BIN, Fleet
 
 from ciders_cloud.fleet import serve as serve_mod

@@ -55,3 +55,22 @@ def test_memory_estimate_grows_with_sequence_and_dtype():
     # SmolLM2-135M's AdapEmu: ~25 layers of ~3.5M parameters + 28M embedding, in float32.
     assert 0.3e9 < short.weights < 0.5e9
     assert not estimate_memory(cfg, 25, 6, DeviceProfile(memory_budget_gb=0.1)).fits
+
+
+def test_profiles_table_shows_every_name_whole_when_piped():
+    """Piped output is 80 columns wide: the key column must never be cut (`cpu-l…`), so names can be read."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ciders_edge", "profiles"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    table = out.stdout + out.stderr
+    assert "…" not in table and max(map(len, table.splitlines())) <= 80
+    rows = {line.split()[0] for line in table.splitlines()[1:] if line.strip()}
+    assert SHIPPED <= rows

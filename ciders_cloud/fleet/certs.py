@@ -35,7 +35,7 @@ def make_certs(out: Path, hosts: list[str], days: int = 365, ca_key: Path | None
     if ca_key is not None and (ca_key.exists() or ca_key.resolve().is_relative_to(out.resolve())):
         raise ConfigError(f"--ca-key {ca_key}: exists already, or lies inside --out {out}; keep the CA key elsewhere")
     names = list(dict.fromkeys(["localhost", "127.0.0.1", *hosts]))
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ca_signing_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "CIDERS fleet CA")])
     ca = (

@@ -22,10 +22,9 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import zipfile
 from logging import ERROR, INFO
-
-import tomllib
 
 # The fleet app ``ciders-cloud serve`` submits (ciders_cloud/fleet/app/pyproject.toml; the edge
 # never imports the cloud, so its identity is written here too and a test holds the two together).
