@@ -11,7 +11,6 @@ a failed run leaves no ``--out`` to block its rerun, and a killed one's folder i
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import json
 import os
@@ -29,7 +28,7 @@ from ciders_edge.atomic import fsync_dir, staging_dir, write_bytes, write_json
 from ciders_edge.bundle import Bundle
 from ciders_edge.config import ConfigMixin, RoundHyperparams
 from ciders_edge.data import read_jsonl
-from ciders_edge.errors import ConfigError
+from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.packet import CODECS
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
@@ -38,6 +37,7 @@ from ciders_edge.train import probe_files, train_files
 from .config import GAMMA_SCHEDULES, RunConfig, TakdConfig
 from .diagnostics import client_diagnostics
 from .evaluation import evaluate_baseline, evaluate_round
+from .lock import LOCK_FILE, run_lock
 from .partition import partition
 from .prepare import RUN_CONFIG, append_log, bundle_path, load_run, prepare
 from .rounds import aggregate_files, hypergradient_packets
@@ -46,7 +46,6 @@ from .strategies import STRATEGIES, get_strategy, round_hyperparams_for
 __all__ = ["SimConfig", "simulate", "prepare_study", "METRICS"]
 
 METRICS = "metrics.jsonl"
-BUILDING = ".simulating"  # in a study being built; flock-ed by the process building it
 
 
 @dataclass
@@ -206,24 +205,19 @@ def _run_rounds(cfg: SimConfig, out: Path, ids: list[str], domains: dict[str, st
 @contextmanager
 def _staged(out: Path) -> Iterator[Path]:
     """A fresh folder beside ``out``, renamed to ``out`` when the block succeeds and removed when it
-    fails. Its ``BUILDING`` file is locked while the process lives, so the stale folder of a killed
-    run is recognized and swept by the next one."""
+    fails. It holds the run lock while the process lives, so the stale folder of a killed run is
+    recognized and swept by the next one."""
     _refuse_filled(out)
     _sweep(out)
     root = staging_dir(out)
-    fd = os.open(root / f"{BUILDING}.tmp", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.replace(root / f"{BUILDING}.tmp", root / BUILDING)  # appears locked: a sweep never takes it
+    with run_lock(root, "simulate"):
         try:
             yield root
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             raise
-        (root / BUILDING).unlink()
+        (root / LOCK_FILE).unlink()  # still held through the open descriptor; a sweep no longer sees it
         _publish(root, out)
-    finally:
-        os.close(fd)
 
 
 def _refuse_filled(out: Path) -> None:
@@ -233,18 +227,12 @@ def _refuse_filled(out: Path) -> None:
 
 def _sweep(out: Path) -> None:
     """Remove the staging folders that killed runs left for ``out`` (their lock died with them)."""
-    for lock in out.parent.glob(f".{glob.escape(out.name)}.*/{BUILDING}"):
+    for lock in out.parent.glob(f".{glob.escape(out.name)}.*/{LOCK_FILE}"):
         try:
-            fd = os.open(lock, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(lock.parent, ignore_errors=True)
-        except BlockingIOError:
+            with run_lock(lock.parent, "sweep"):
+                shutil.rmtree(lock.parent, ignore_errors=True)
+        except StateError:
             pass  # a live run's
-        finally:
-            os.close(fd)
 
 
 def _publish(root: Path, out: Path) -> None:
