@@ -7,7 +7,6 @@ field, never a traceback later.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import reprlib
 import shutil
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load
+from safetensors.torch import load_file
 
 from .atomic import recover_dir, replace_dir, staging_dir, write_json, write_safetensors
 from .checksums import sha256_file
@@ -91,22 +90,21 @@ def load_state_dir(
         if not (path / name).is_file():  # safetensors' own error for a missing file names no file
             raise StateError(f"{path}: {what} incomplete ({name} missing)")
     meta = _read(path / STATE_JSON, what, lambda f: json.loads(f.read_bytes()))
-    raw = {name: _read(path / name, what, Path.read_bytes) for name in names}  # read once: decoded and hashed
-    tensors = {name: _read(path / name, what, lambda _, b=raw[name]: load(b)) for name in names}
+    tensors = {name: _read(path / name, what, load_file) for name in names}
     if not isinstance(meta, dict):
         raise StateError(f"{path / STATE_JSON}: {what} corrupt (not a JSON object)")
     if meta.get("format_version") != version or not _is_int(meta["format_version"]):
         raise StateError(f"{path}: {what} format {reprlib.repr(meta.get('format_version'))} is not supported")
     check_fields(meta, {**(fields or {}), CHECKSUMS: optional(OBJECT)}, path / STATE_JSON, what)
-    _verify(path, meta.get(CHECKSUMS), raw, what)
+    _verify(path, meta.get(CHECKSUMS), names, what)
     return meta, tensors
 
 
-def _verify(path: Path, checksums: dict | None, raw: dict[str, bytes], what: str) -> None:
+def _verify(path: Path, checksums: dict | None, names: tuple[str, ...], what: str) -> None:
     """Each tensor file against the SHA-256 saved with it (states saved before checksums have none):
     a flipped bit in c_i would otherwise skew every later round without a word."""
-    for name, data in raw.items() if checksums is not None else ():
-        if checksums.get(name) != hashlib.sha256(data).hexdigest():
+    for name in names if checksums is not None else ():
+        if checksums.get(name) != sha256_file(path / name):
             raise StateError(f"{path / name}: {what} fails its checksum (damaged or edited); restore the folder")
 
 
