@@ -93,8 +93,8 @@ def run_simulate(cfg, out: Path) -> list[dict]:
 
     Resumable: a run that finished in ``out`` with the same config is read back, not run again,
     so an interrupted benchmark restarts where it stopped; an unfinished one starts over."""
-    from ciders_cloud.report import load_metrics
-    from ciders_cloud.simulate import simulate
+    from ciders_cloud.study.report import load_metrics
+    from ciders_cloud.study.simulate import simulate
     from ciders_edge.cli_utils import quiet_libraries
 
     if _finished(cfg, out):
@@ -108,7 +108,7 @@ def run_simulate(cfg, out: Path) -> list[dict]:
 
 def _finished(cfg, out: Path) -> bool:
     """Same config, and the last round's evaluation is in the metrics (``simulate`` writes it last)."""
-    from ciders_cloud.report import load_metrics
+    from ciders_cloud.study.report import load_metrics
 
     try:
         same = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
@@ -143,7 +143,7 @@ def domain_study(domains: tuple[str, ...], **overrides):
     """A ``simulate`` config with one five_domain domain per client: it trains on the domain's
     ``train.jsonl`` and is scored on its ``eval.jsonl``; SmolLM2, messenger depth 6, drop 0.2,
     evaluated after the last round only."""
-    from ciders_cloud.simulate import SimConfig
+    from ciders_cloud.study.simulate import SimConfig
 
     five = data_dir("five_domain")
     base = {

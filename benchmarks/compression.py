@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--local-steps", type=int, default=5)
     ap.add_argument("--max-records", type=int, default=120)
     args = ap.parse_args()
-    from ciders_edge.models import resolve_model
+    from ciders_edge.model.sources import resolve_model
 
     full = sum(f.stat().st_size for f in resolve_model("smollm2-135m").glob("*.safetensors"))  # the fp32 teacher
     rows = []

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--max-records", type=int, default=120)
     args = ap.parse_args()
     five = data_dir("five_domain")
-    from ciders_edge.atomic import write_bytes
+    from ciders_edge.formats.atomic import write_bytes
 
     public = args.out / "public.jsonl"  # the five public splits together, as protocol_b.py uses them
     if not public.is_file():

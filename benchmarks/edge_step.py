@@ -30,10 +30,10 @@ METHODS = ("ciders-fo", "naive-fo", "plain-lora", "ciders-fd")
 
 
 def _setup(args):
-    from ciders_edge.bundle import Bundle
     from ciders_edge.cli_utils import quiet_libraries
-    from ciders_edge.data import load_examples
-    from ciders_edge.emu import load_edge_model
+    from ciders_edge.data.records import load_examples
+    from ciders_edge.formats.bundle import Bundle
+    from ciders_edge.model.adapemu import load_edge_model
 
     quiet_libraries()
     torch.manual_seed(0)
@@ -70,10 +70,10 @@ def _step_peak(base: float) -> float:
 
 def worker(args) -> dict:
     from ciders_edge.config import RoundHyperparams
-    from ciders_edge.data import collate
-    from ciders_edge.local import local_update
-    from ciders_edge.lora import MESSENGER, lora_parameters
-    from ciders_edge.objective import MessengerObjective
+    from ciders_edge.data.records import collate
+    from ciders_edge.model.lora import MESSENGER, lora_parameters
+    from ciders_edge.training.local_steps import local_update
+    from ciders_edge.training.objective import MessengerObjective
 
     edge, examples = _setup(args)
     model = edge.model

@@ -33,8 +33,8 @@ def main() -> None:
     ap.add_argument("--align-checkpoints", default="20,40,60", help="stage-2 steps at which to measure")
     ap.add_argument("--variants", default="paper,no-task-ce,lora", help="stage-2 alternatives at drop 0.2")
     args = ap.parse_args()
-    from ciders_edge.atomic import write_bytes
     from ciders_edge.cli_utils import quiet_libraries
+    from ciders_edge.formats.atomic import write_bytes
 
     quiet_libraries()
     five = data_dir("five_domain")
@@ -53,9 +53,9 @@ def main() -> None:
 
 def _models(drop: float, public: Path, **takd):
     from ciders_cloud.config import RunConfig, TakdConfig
-    from ciders_cloud.models import build_cloud_models
     from ciders_cloud.takd import public_split
-    from ciders_edge.models import model_revision, resolve_model
+    from ciders_cloud.teacher import build_cloud_models
+    from ciders_edge.model.sources import model_revision, resolve_model
 
     path = resolve_model("smollm2-135m")
     run = RunConfig(model="smollm2-135m", model_path=str(path), model_revision=model_revision(path),

@@ -15,8 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median, write_results  # noqa: E402
 
-from ciders_edge.packet import CODECS, Packet  # noqa: E402
-from ciders_edge.update import norm, sub  # noqa: E402
+from ciders_edge.formats.packet import CODECS, Packet  # noqa: E402
+from ciders_edge.training.equations import norm, sub  # noqa: E402
 
 
 def main() -> None:

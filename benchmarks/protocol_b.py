@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--probe-batches", type=int, default=2, help="FedNest/LFedNest: batches behind grad f_i")
     args = ap.parse_args()
     data = data_dir("five_domain")
-    from ciders_edge.atomic import write_bytes
+    from ciders_edge.formats.atomic import write_bytes
 
     public = args.out / "public.jsonl"  # the five domains' public splits, together
     if not public.is_file():
@@ -73,14 +73,14 @@ def main() -> None:
             "round_wall_s": sum(r["wall_s"] for r in rows if r["type"] == "round"),
         }
         print(f"{alg}: matched NLL {results[alg]['matched_nll']:.4f}, Δcross {scores['delta_cross']:.4f}", flush=True)
-    from ciders_cloud.report import report
+    from ciders_cloud.study.report import report
 
     plots = report([args.out / alg for alg in results], RESULTS / "protocol_b")
     _write(args, results, plots["files"])
 
 
 def _write(args, results: dict, plots: list[str]) -> None:
-    from ciders_cloud.simulate import SimConfig
+    from ciders_cloud.study.simulate import SimConfig
 
     header = ["algorithm", "matched-domain NLL (AdapEmu)", "gain over round 0", "AdapFu", "gain over base model",
               "Δcross", "global NLL", "bytes up / round", "rounds' wall s"]  # fmt: skip

@@ -1,6 +1,6 @@
 """CIDERS cloud side: model preparation, TAKD, bundles, and (later) round aggregation."""
 
-from .config import RunConfig, TakdConfig
-from .prepare import distill, prepare
+from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.prepare import distill, prepare
 
 __all__ = ["RunConfig", "TakdConfig", "prepare", "distill"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ciders_edge.update import (
+from ciders_edge.training.equations import (
     Tensors,
     add,
     reconstruct_displacement,  # eq. (11), shared with the edge

@@ -2,7 +2,7 @@
 
 The inner problem lives on the cloud alone (its public data and teacher), so FedIHGP's products
 with ``grad_yy g`` and ``grad_xy g`` need no communication here; the clients contribute only
-``grad_y f_i`` (see :mod:`ciders_edge.bilevel`).
+``grad_y f_i`` (see :mod:`ciders_edge.training.bilevel`).
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ import random
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.hypergradient import indirect_term, second_order
+from ciders_cloud.server_state import ServerState
+from ciders_cloud.takd import takd_terms
+from ciders_cloud.teacher import CloudModels
 from ciders_edge.config import RoundHyperparams
-from ciders_edge.data import batch_stream, load_examples
-from ciders_edge.lora import BACKBONE, MESSENGER, copy_into, lora_parameters, set_trainable
-from ciders_edge.update import Tensors
-
-from .config import RunConfig, TakdConfig
-from .hypergradient import indirect_term, second_order
-from .models import CloudModels
-from .state import ServerState
-from .takd import takd_terms
+from ciders_edge.data.records import batch_stream, load_examples
+from ciders_edge.model.lora import BACKBONE, MESSENGER, copy_into, lora_parameters, set_trainable
+from ciders_edge.training.equations import Tensors
 
 __all__ = ["TakdInner", "cloud_indirect_term"]
 

@@ -21,19 +21,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
-from ciders_edge.assembly import decoder_of, layer_outputs, run_layers
-from ciders_edge.atomic import write_safetensors
-from ciders_edge.checksums import sha256_file
-from ciders_edge.data import Example, batch_stream
+from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.takd import Distiller, hidden_term
+from ciders_cloud.teacher import CloudModels
+from ciders_edge.data.records import Example, batch_stream
 from ciders_edge.errors import StateError
-from ciders_edge.local import warmup_cosine
-from ciders_edge.models import ciders_home
+from ciders_edge.formats.atomic import write_safetensors
+from ciders_edge.formats.checksums import sha256_file
+from ciders_edge.model.forward import decoder_of, layer_outputs, run_layers
+from ciders_edge.model.sources import ciders_home
+from ciders_edge.model.split import SplitSpec
 from ciders_edge.progress import console, progress_bar
-from ciders_edge.split import SplitSpec
-
-from .config import RunConfig, TakdConfig
-from .models import CloudModels
-from .takd import Distiller, hidden_term
+from ciders_edge.training.local_steps import warmup_cosine
 
 __all__ = ["gap_layers", "gap_parameters", "LayerAligner", "bootstrap"]
 

@@ -9,25 +9,24 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.config_file import merge_config
+from ciders_cloud.fidelity import Fidelity
+from ciders_cloud.lock import run_lock
+from ciders_cloud.prepare import distill as distill_run
+from ciders_cloud.prepare import prepare as prepare_run
+from ciders_cloud.rounds import aggregate_files
+from ciders_cloud.strategies import STRATEGIES
+from ciders_cloud.study.report import report as report_runs
+from ciders_cloud.study.simulate import SimConfig
+from ciders_cloud.study.simulate import simulate as simulate_run
 from ciders_edge.cli_utils import JsonOpt, run_command
 from ciders_edge.config import RoundHyperparams
-from ciders_edge.demo_data import write_demo_data
+from ciders_edge.data.demo import write_demo_data
 from ciders_edge.errors import ConfigError
-from ciders_edge.lora import LoraSettings
+from ciders_edge.model.lora import LoraSettings
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
-
-from .config import RunConfig, TakdConfig
-from .fidelity import Fidelity
-from .lock import run_lock
-from .prepare import distill as distill_run
-from .prepare import prepare as prepare_run
-from .report import report as report_runs
-from .rounds import aggregate_files
-from .settings import merge_config
-from .simulate import SimConfig
-from .simulate import simulate as simulate_run
-from .strategies import STRATEGIES
 
 app = typer.Typer(
     help="CIDERS cloud: prepare models, distill, ship AdapEmu bundles.",
@@ -245,8 +244,8 @@ def serve(
     as_json: JsonOpt = False,
 ) -> None:
     """Run the rounds over the network on a Flower SuperLink; edges join with `ciders-edge join`."""
-    from .fleet.serve import ServeOptions
-    from .fleet.serve import serve as serve_fleet
+    from ciders_cloud.fleet.serve import ServeOptions
+    from ciders_cloud.fleet.serve import serve as serve_fleet
 
     def render(s: dict) -> None:
         table = Table("round", "client", "status", "bytes down", "bytes up", title=f"fleet {s['run']}")
@@ -277,7 +276,7 @@ def certs(
     as_json: JsonOpt = False,
 ) -> None:
     """Make a private CA and the SuperLink's TLS certificate (for a deployment or a test)."""
-    from .fleet.certs import make_certs
+    from ciders_cloud.fleet.certs import make_certs
 
     def render(s: dict) -> None:
         kept = f"CA key in {s['ca_key']}" if s["ca_key"] else "CA key discarded (--ca-key PATH keeps it)"

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ciders_cloud.strategies import STRATEGIES, get_strategy
 from ciders_edge.config import ConfigMixin, RoundHyperparams
 from ciders_edge.errors import ConfigError
-from ciders_edge.lora import LoraSettings
-
-from .strategies import STRATEGIES, get_strategy
+from ciders_edge.model.lora import LoraSettings
 
 __all__ = ["TakdConfig", "RunConfig", "HIDDEN_LOSSES", "TASK_LOSSES", "ALIGN_PARAMS", "GAMMA_SCHEDULES"]
 

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ciders_edge.assembly import backbone_hidden, messenger_logits, response_positions
+from ciders_cloud.teacher import CloudModels
 from ciders_edge.config import ConfigMixin
-from ciders_edge.data import Example, collate
-
-from .models import CloudModels
+from ciders_edge.data.records import Example, collate
+from ciders_edge.model.forward import backbone_hidden, messenger_logits, response_positions
 
 __all__ = ["Fidelity", "measure_fidelity"]
 

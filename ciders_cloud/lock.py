@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ciders_edge.atomic import remove_stale_staging
 from ciders_edge.errors import StateError
+from ciders_edge.formats.atomic import remove_stale_staging
 
 __all__ = ["run_lock", "LOCK_FILE"]
 

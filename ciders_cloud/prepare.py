@@ -12,22 +12,21 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from ciders_edge.atomic import staging_dir, write_bytes, write_json, write_safetensors
-from ciders_edge.bundle import Bundle, BundleContents
-from ciders_edge.checksums import sha256_file
+from ciders_cloud.bootstrap import bootstrap
+from ciders_cloud.config import RunConfig
+from ciders_cloud.fidelity import Fidelity, measure_fidelity
+from ciders_cloud.server_state import ServerState
+from ciders_cloud.strategies import round_hyperparams_for
+from ciders_cloud.takd import TERMS, Distiller, public_split
+from ciders_cloud.teacher import CloudModels, build_cloud_models, split_for
 from ciders_edge.errors import ConfigError, StateError
-from ciders_edge.lora import peft_config
-from ciders_edge.models import load_tokenizer, model_revision, resolve_model
+from ciders_edge.formats.atomic import staging_dir, write_bytes, write_json, write_safetensors
+from ciders_edge.formats.bundle import Bundle, BundleContents
+from ciders_edge.formats.checksums import sha256_file
+from ciders_edge.model.lora import peft_config
+from ciders_edge.model.sources import load_tokenizer, model_revision, resolve_model
 from ciders_edge.profiles import DeviceProfile, estimate_memory, load_profile
 from ciders_edge.progress import console
-
-from .bootstrap import bootstrap
-from .config import RunConfig
-from .fidelity import Fidelity, measure_fidelity
-from .models import CloudModels, build_cloud_models, split_for
-from .state import ServerState
-from .strategies import round_hyperparams_for
-from .takd import TERMS, Distiller, public_split
 
 __all__ = [
     "prepare",

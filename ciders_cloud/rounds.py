@@ -17,21 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ciders_edge.atomic import write_safetensors
-from ciders_edge.bundle import Bundle
-from ciders_edge.config import RoundHyperparams
-from ciders_edge.errors import PacketError
-from ciders_edge.local import mean_lr_multiplier
-from ciders_edge.packet import Packet, consensus_digest
-from ciders_edge.profiles import load_profile
-from ciders_edge.train import PROBE_KIND, read_key
-from ciders_edge.update import Tensors, add, norm
-
-from .aggregation import participation_weights, reconstruct_displacement, weighted_sum
-from .bilevel import cloud_indirect_term
-from .config import RunConfig
-from .fidelity import measure_fidelity
-from .prepare import (
+from ciders_cloud.aggregation import participation_weights, reconstruct_displacement, weighted_sum
+from ciders_cloud.bilevel import cloud_indirect_term
+from ciders_cloud.config import RunConfig
+from ciders_cloud.fidelity import measure_fidelity
+from ciders_cloud.prepare import (
     DISTILL_LOG,
     STATE_DIR,
     bundle_path,
@@ -41,9 +31,18 @@ from .prepare import (
     write_bundles,
     write_round_log,
 )
-from .state import ServerState
-from .strategies import get_strategy, round_hyperparams_for
-from .takd import Distiller, public_split
+from ciders_cloud.server_state import ServerState
+from ciders_cloud.strategies import get_strategy, round_hyperparams_for
+from ciders_cloud.takd import Distiller, public_split
+from ciders_edge.config import RoundHyperparams
+from ciders_edge.errors import PacketError
+from ciders_edge.formats.atomic import write_safetensors
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.packet import Packet, consensus_digest
+from ciders_edge.profiles import load_profile
+from ciders_edge.training.equations import Tensors, add, norm
+from ciders_edge.training.local_steps import mean_lr_multiplier
+from ciders_edge.training.round import PROBE_KIND, read_key
 
 __all__ = [
     "aggregate_packets",

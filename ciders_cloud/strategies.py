@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ciders_cloud.aggregation import aggregate
 from ciders_edge.config import RoundHyperparams, gamma_schedule
 from ciders_edge.errors import ConfigError
-from ciders_edge.update import Tensors
-
-from .aggregation import aggregate
+from ciders_edge.training.equations import Tensors
 
 __all__ = ["Strategy", "STRATEGIES", "get_strategy", "round_hyperparams_for"]
 

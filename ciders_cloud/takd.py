@@ -16,14 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from ciders_edge.assembly import backbone_hidden, messenger_logits
-from ciders_edge.data import IGNORE, Example, batch_stream, load_examples
-from ciders_edge.lora import BACKBONE, lora_parameters, set_trainable
+from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.server_state import optimizer_from_tensors, optimizer_to_tensors
+from ciders_cloud.teacher import CloudModels
+from ciders_edge.data.records import IGNORE, Example, batch_stream, load_examples
+from ciders_edge.model.forward import backbone_hidden, messenger_logits
+from ciders_edge.model.lora import BACKBONE, lora_parameters, set_trainable
 from ciders_edge.progress import progress_bar
-
-from .config import RunConfig, TakdConfig
-from .models import CloudModels
-from .state import optimizer_from_tensors, optimizer_to_tensors
 
 __all__ = ["hidden_term", "task_term", "takd_loss", "takd_terms", "Distiller", "public_split", "TERMS"]
 

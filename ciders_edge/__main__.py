@@ -1,3 +1,3 @@
-from .cli import main
+from ciders_edge.cli import main
 
 main()

@@ -11,18 +11,18 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .bundle import Bundle
-from .cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, run_command
-from .data import read_jsonl
-from .errors import ConfigError
-from .generation import GenerationSettings
-from .infer import answer, answer_file
-from .personalize import resolve_backbone
-from .profiles import GIB, detect_profile, list_profiles, load_profile
-from .progress import LazyBar, console, status
-from .runtime import open_runtime
-from .train import read_key
-from .train import train as train_run
+from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, run_command
+from ciders_edge.data.records import read_jsonl
+from ciders_edge.errors import ConfigError
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.inference.generation import GenerationSettings
+from ciders_edge.inference.infer import answer, answer_file
+from ciders_edge.inference.personalize import resolve_backbone
+from ciders_edge.inference.runtime import open_runtime
+from ciders_edge.profiles import GIB, detect_profile, list_profiles, load_profile
+from ciders_edge.progress import LazyBar, console, status
+from ciders_edge.training.round import read_key
+from ciders_edge.training.round import train as train_run
 
 app = typer.Typer(
     help="CIDERS edge runtime: train the messenger, infer, export, benchmark.",
@@ -270,7 +270,7 @@ def evaluate(
     as_json: JsonOpt = False,
 ) -> None:
     """Score messengers on your data: response NLL, exact match (records with `answer`), ROUGE-L (with `response`)."""
-    from .evaluate import COMPARE, evaluate_models
+    from ciders_edge.inference.evaluate import COMPARE, evaluate_models
 
     def body() -> dict:
         states = list(state or [])
@@ -361,7 +361,7 @@ def keygen(
     as_json: JsonOpt = False,
 ) -> None:
     """Make this device's fleet node key (once) and print the public key the cloud registers."""
-    from .fleet.keys import ensure_node_key
+    from ciders_edge.fleet.keys import ensure_node_key
 
     def body() -> dict:
         state.mkdir(parents=True, exist_ok=True)
@@ -390,7 +390,7 @@ def join(
     as_json: JsonOpt = False,
 ) -> None:
     """Join a fleet: run this device's Flower SuperNode; each round trains here and sends Δc up."""
-    from .fleet.join import join as join_fleet  # Flower loads only for fleet commands
+    from ciders_edge.fleet.join import join as join_fleet  # Flower loads only for fleet commands
 
     run_command(
         lambda: join_fleet(

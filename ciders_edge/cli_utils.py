@@ -11,8 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
-from .errors import CidersError
-from .progress import console
+from ciders_edge.errors import CidersError
+from ciders_edge.progress import console
 
 __all__ = ["run_command", "quiet_libraries", "JsonOpt", "BackboneOpt", "BaseModelOpt"]
 

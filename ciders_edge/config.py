@@ -16,7 +16,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from .errors import ConfigError
+from ciders_edge.errors import ConfigError
 
 __all__ = ["ConfigMixin", "RoundHyperparams", "gamma_schedule", "check_value"]
 

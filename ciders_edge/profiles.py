@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from .config import ConfigMixin
-from .errors import ConfigError
+from ciders_edge.config import ConfigMixin
+from ciders_edge.errors import ConfigError
 
 __all__ = [
     "DeviceProfile",

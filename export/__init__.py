@@ -4,6 +4,6 @@
 its commands join ``ciders-edge`` through the ``ciders_edge.commands`` entry-point group.
 """
 
-from .api import export_model
+from export.api import export_model
 
 __all__ = ["export_model"]

@@ -17,15 +17,14 @@ from pathlib import Path
 
 import torch
 
-from ciders_edge.atomic import fsync_tree, replace_dir, staging_dir, write_json
-from ciders_edge.bundle import Bundle
 from ciders_edge.errors import ConfigError, ExportError
-from ciders_edge.exported import FORMAT as EXPORT_FORMAT
-from ciders_edge.exported import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
-from ciders_edge.personalize import load_personalized, merge_messenger, resolve_backbone
-
-from .check import all_logits, check_inputs, compare_logits
-from .onnx import save_onnx
+from ciders_edge.formats.atomic import fsync_tree, replace_dir, staging_dir, write_json
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.export_folder import FORMAT as EXPORT_FORMAT
+from ciders_edge.formats.export_folder import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
+from ciders_edge.inference.personalize import load_personalized, merge_messenger, resolve_backbone
+from export.check import all_logits, check_inputs, compare_logits
+from export.onnx import save_onnx
 
 __all__ = ["export_model"]
 

@@ -22,13 +22,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from ciders_edge.bundle import Bundle
 from ciders_edge.errors import CidersError, ConfigError, ExportError
-from ciders_edge.exported import MANIFEST, Export
-from ciders_edge.personalize import Source, personal_messenger, resolve_backbone
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.export_folder import MANIFEST, Export
+from ciders_edge.inference.personalize import Source, personal_messenger, resolve_backbone
 from ciders_edge.profiles import DeviceProfile, load_profile
-
-from .api import Stage, export_model
+from export.api import Stage, export_model
 
 __all__ = ["BenchSettings", "bench", "RUNTIME_CHOICES"]
 
@@ -178,7 +177,7 @@ def _serve_runtime(conn, name, subject: Subject, export, prof: DeviceProfile, se
     try:
         rt, ids, gen, info = _load_runtime(name, subject, export, prof, settings)
         conn.send(("ok", info))
-        from ciders_edge.generation import generate
+        from ciders_edge.inference.generation import generate
 
         while conn.recv() == "generate":
             g = generate(rt.model, rt.tokenizer, ids, gen)
@@ -190,8 +189,8 @@ def _serve_runtime(conn, name, subject: Subject, export, prof: DeviceProfile, se
 
 def _load_runtime(name, subject: Subject, export, prof: DeviceProfile, settings: BenchSettings):
     from ciders_edge.cli_utils import quiet_libraries
-    from ciders_edge.generation import GenerationSettings, encode_prompt, generate
-    from ciders_edge.runtime import open_runtime
+    from ciders_edge.inference.generation import GenerationSettings, encode_prompt, generate
+    from ciders_edge.inference.runtime import open_runtime
 
     quiet_libraries()
     rss_imports = _peak_rss_mib()
@@ -269,10 +268,10 @@ def _measure_train_step(bundle, prof: DeviceProfile, steps: int) -> dict:
     import torch
 
     from ciders_edge.cli_utils import quiet_libraries
-    from ciders_edge.data import IGNORE, Example
-    from ciders_edge.emu import load_edge_model
+    from ciders_edge.data.records import IGNORE, Example
+    from ciders_edge.model.adapemu import load_edge_model
     from ciders_edge.profiles import pick_device
-    from ciders_edge.train import round_hyperparams, train_round
+    from ciders_edge.training.round import round_hyperparams, train_round
 
     quiet_libraries()
     b = Bundle.load(bundle)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ciders_edge.generation import chat_ids
+from ciders_edge.inference.generation import chat_ids
 
 __all__ = ["CHECK_CHATS", "check_inputs", "all_logits", "compare_logits"]
 

@@ -10,10 +10,9 @@ from rich.table import Table
 
 from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, run_command
 from ciders_edge.progress import console, status
-
-from .api import export_model
-from .bench import BenchSettings, bench
-from .plots import plot_bench
+from export.api import export_model
+from export.bench import BenchSettings, bench
+from export.plots import plot_bench
 
 __all__ = ["export_command", "bench_command"]
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ciders_edge.exported import ONNX_FILE
-
-from .quantize import quantize_onnx
+from ciders_edge.formats.export_folder import ONNX_FILE
+from export.quantize import quantize_onnx
 
 __all__ = ["save_onnx"]
 

@@ -14,7 +14,7 @@ def plot_bench(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ciders_edge.atomic import write_bytes
+    from ciders_edge.formats.atomic import write_bytes
 
     rows = result["runtimes"]
     names = [r["runtime"] for r in rows]

@@ -16,28 +16,28 @@ quiet_libraries()
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    from ciders_edge.models import resolve_model
+    from ciders_edge.model.sources import resolve_model
 
     return resolve_model("tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_path):
-    from ciders_edge.models import load_model
+    from ciders_edge.model.sources import load_model
 
     return load_model(tiny_path)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
-    from ciders_edge.models import load_tokenizer
+    from ciders_edge.model.sources import load_tokenizer
 
     return load_tokenizer(tiny_path)
 
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
-    from ciders_edge.demo_data import write_demo_data
+    from ciders_edge.data.demo import write_demo_data
 
     out = tmp_path_factory.mktemp("demo")
     write_demo_data(out, n_train=40, n_public=24, n_eval=8)

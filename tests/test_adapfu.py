@@ -9,14 +9,14 @@ from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from typer.testing import CliRunner
 
 from ciders_cloud import RunConfig, prepare
-from ciders_edge.adapfu import load_adapfu
-from ciders_edge.bundle import FULL_WEIGHTS, Bundle
 from ciders_edge.cli import app as edge_app
 from ciders_edge.errors import BundleError, ModelError
-from ciders_edge.models import load_model
-from ciders_edge.personalize import load_personalized
-from ciders_edge.split import shift_layers
-from ciders_edge.train import train_files
+from ciders_edge.formats.bundle import FULL_WEIGHTS, Bundle
+from ciders_edge.inference.personalize import load_personalized
+from ciders_edge.model.adapfu import load_adapfu
+from ciders_edge.model.sources import load_model
+from ciders_edge.model.split import shift_layers
+from ciders_edge.training.round import train_files
 from export import export_model
 from export.check import all_logits, check_inputs, compare_logits
 

@@ -17,11 +17,11 @@ from ciders_cloud.cli import app as cloud
 from ciders_cloud.lock import run_lock
 from ciders_cloud.prepare import STATE_DIR
 from ciders_cloud.rounds import aggregate_packets
-from ciders_cloud.state import ServerState
-from ciders_edge.bundle import Bundle
+from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import StateError
-from ciders_edge.packet import Packet
-from ciders_edge.train import train
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.packet import Packet
+from ciders_edge.training.round import train
 
 runner = CliRunner()
 

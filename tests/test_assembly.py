@@ -1,8 +1,8 @@
 import torch
 
-from ciders_edge.assembly import backbone_hidden, messenger_logits, response_positions
-from ciders_edge.lora import LoraSettings, attach_lora, lora_state
-from ciders_edge.split import SplitSpec, build_adapemu
+from ciders_edge.model.forward import backbone_hidden, messenger_logits, response_positions
+from ciders_edge.model.lora import LoraSettings, attach_lora, lora_state
+from ciders_edge.model.split import SplitSpec, build_adapemu
 
 
 def _emu(tiny_model, a=2, beta=0.5):

@@ -6,10 +6,10 @@ import torch
 from peft import PeftModel
 
 from ciders_cloud.prepare import STATE_DIR, load_cloud_models, load_run
-from ciders_cloud.state import ServerState
-from ciders_edge.bundle import ADAPTER_DIR, Bundle
-from ciders_edge.emu import load_edge_model
+from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import BundleError
+from ciders_edge.formats.bundle import ADAPTER_DIR, Bundle
+from ciders_edge.model.adapemu import load_edge_model
 
 
 def _bundle_dir(tiny_run):
@@ -103,7 +103,7 @@ def _copy_with_manifest(tiny_run, tmp_path, edit):
 
 
 def _sha(path):
-    from ciders_edge.checksums import sha256_file
+    from ciders_edge.formats.checksums import sha256_file
 
     return sha256_file(path)
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
-from ciders_edge.bundle import Bundle
 from ciders_edge.cli import app as edge
+from ciders_edge.formats.bundle import Bundle
 
 runner = CliRunner()
 

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.config import RunConfig
-from ciders_cloud.settings import load_config
+from ciders_cloud.config_file import load_config
 from ciders_edge.cli import app as edge
 from ciders_edge.config import RoundHyperparams, check_value
 from ciders_edge.errors import ConfigError

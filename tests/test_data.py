@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from ciders_edge.data import IGNORE, collate, encode, load_examples, read_jsonl, to_chat
-from ciders_edge.demo_data import FAMILIES, generate, write_demo_data
+from ciders_edge.data.demo import FAMILIES, generate, write_demo_data
+from ciders_edge.data.records import IGNORE, collate, encode, load_examples, read_jsonl, to_chat
 from ciders_edge.errors import DataError
 
 
@@ -152,7 +152,7 @@ def test_a_byte_order_mark_and_deep_nesting(tmp_path):
     ],
 )
 def test_messages_of_the_wrong_shape_name_the_file_and_line(tmp_path, messages):
-    from ciders_edge.data import to_prompt
+    from ciders_edge.data.records import to_prompt
 
     f = tmp_path / "d.jsonl"
     f.write_text(_record(1) + "\n" + json.dumps({"messages": messages}) + "\n")

@@ -7,16 +7,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ciders_edge.bundle import Bundle
 from ciders_edge.cli import app as edge
-from ciders_edge.data import load_examples
-from ciders_edge.emu import load_edge_model
-from ciders_edge.local import local_update
-from ciders_edge.objective import MessengerObjective
-from ciders_edge.packet import Packet
-from ciders_edge.state import ClientState
-from ciders_edge.train import round_hyperparams, train_round
-from ciders_edge.update import add, fd_hessian_vector
+from ciders_edge.data.records import load_examples
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import ClientState
+from ciders_edge.formats.packet import Packet
+from ciders_edge.model.adapemu import load_edge_model
+from ciders_edge.training.equations import add, fd_hessian_vector
+from ciders_edge.training.local_steps import local_update
+from ciders_edge.training.objective import MessengerObjective
+from ciders_edge.training.round import round_hyperparams, train_round
 
 runner = CliRunner()
 
@@ -181,7 +181,7 @@ def test_state_save_is_atomic(tmp_path, monkeypatch):
     def crash(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("ciders_edge.statedir.write_json", crash)
+    monkeypatch.setattr("ciders_edge.formats.statedir.write_json", crash)
     s.round, s.c_i = 1, {"w": torch.full((2,), 9.0)}
     with pytest.raises(OSError):
         s.save(tmp_path)

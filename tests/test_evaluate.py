@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from ciders_edge.bundle import Bundle
 from ciders_edge.cli import app as edge_app
-from ciders_edge.data import encode
-from ciders_edge.evaluate import exact_match_answer, generate_answers, read_eval_records, rouge_l, score
-from ciders_edge.personalize import load_personalized
-from ciders_edge.train import train_files
+from ciders_edge.data.records import encode
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.inference.evaluate import exact_match_answer, generate_answers, read_eval_records, rouge_l, score
+from ciders_edge.inference.personalize import load_personalized
+from ciders_edge.training.round import train_files
 
 runner = CliRunner()
 

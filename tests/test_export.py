@@ -14,16 +14,16 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from ciders_edge.bundle import Bundle
 from ciders_edge.cli import app as edge_app
 from ciders_edge.errors import ConfigError, DataError, ExportError, StateError
-from ciders_edge.exported import ONNX_FILE, Export
-from ciders_edge.generation import GenerationSettings, encode_prompt, generate
-from ciders_edge.personalize import load_personalized, merge_messenger, personal_messenger
-from ciders_edge.providers import resolve_providers
-from ciders_edge.runtime import open_runtime
-from ciders_edge.state import ClientState
-from ciders_edge.train import train_files
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import ClientState
+from ciders_edge.formats.export_folder import ONNX_FILE, Export
+from ciders_edge.inference.generation import GenerationSettings, encode_prompt, generate
+from ciders_edge.inference.personalize import load_personalized, merge_messenger, personal_messenger
+from ciders_edge.inference.providers import resolve_providers
+from ciders_edge.inference.runtime import open_runtime
+from ciders_edge.training.round import train_files
 from export import export_model
 from export.check import all_logits, check_inputs, compare_logits
 

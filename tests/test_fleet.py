@@ -9,11 +9,11 @@ from fleet_harness import Fleet
 from test_simulate import _cfg as sim_cfg
 
 from ciders_cloud.prepare import STATE_DIR, bundle_path
-from ciders_cloud.simulate import SimConfig, prepare_study, simulate
-from ciders_cloud.state import ServerState
-from ciders_edge.bundle import Bundle
+from ciders_cloud.server_state import ServerState
+from ciders_cloud.study.simulate import SimConfig, prepare_study, simulate
 from ciders_edge.fleet.edge import PENDING
-from ciders_edge.state import ClientState
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import ClientState
 
 
 def _cfg(demo_dir, clients: int) -> SimConfig:

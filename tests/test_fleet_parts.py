@@ -16,16 +16,16 @@ from ciders_cloud.cli import app as cloud
 from ciders_cloud.fleet.certs import make_certs
 from ciders_cloud.fleet.coordinator import NODES_DIR, Coordinator, Edge, edge_report
 from ciders_cloud.prepare import STATE_DIR
-from ciders_edge.bundle import MANIFEST, Bundle
-from ciders_edge.checksums import hash_folder, sha256_file
 from ciders_edge.cli import app as edge_cli
 from ciders_edge.errors import BundleError, ConfigError, PacketError, StateError
 from ciders_edge.fleet.bundle_sync import files_to_ship, held_files, install_bundle
 from ciders_edge.fleet.edge import PENDING, settle
 from ciders_edge.fleet.keys import ensure_node_key
 from ciders_edge.fleet.protocol import consensus_digest
-from ciders_edge.state import ClientState
-from ciders_edge.train import train
+from ciders_edge.formats.bundle import MANIFEST, Bundle
+from ciders_edge.formats.checksums import hash_folder, sha256_file
+from ciders_edge.formats.client_state import ClientState
+from ciders_edge.training.round import train
 
 runner = CliRunner()
 

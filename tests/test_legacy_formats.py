@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_edge.cli import app as edge
-from ciders_edge.packet import Packet
+from ciders_edge.formats.packet import Packet
 
 FIXTURE = Path(__file__).parent / "fixtures" / "legacy"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())

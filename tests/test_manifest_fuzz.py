@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ciders_edge.bundle import MANIFEST, Bundle
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import BundleError
-from ciders_edge.lora import LoraSettings
+from ciders_edge.formats.bundle import MANIFEST, Bundle
+from ciders_edge.model.lora import LoraSettings
+from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import DTYPES, DeviceProfile
-from ciders_edge.split import SplitSpec
 
 FUZZ = settings(
     max_examples=150,

@@ -11,7 +11,7 @@ import torch
 import zstandard
 
 from ciders_edge.errors import PacketError
-from ciders_edge.packet import MAGIC, Packet
+from ciders_edge.formats.packet import MAGIC, Packet
 
 
 def _packet(codec="fp32", **tensors):

@@ -1,6 +1,6 @@
 import pytest
 
-from ciders_cloud.partition import parse_partition, partition
+from ciders_cloud.study.partition import parse_partition, partition
 from ciders_edge.errors import ConfigError
 
 

@@ -7,9 +7,9 @@ from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.config import TakdConfig
-from ciders_cloud.report import report
-from ciders_cloud.settings import load_toml_config
-from ciders_cloud.simulate import SimConfig
+from ciders_cloud.config_file import load_toml_config
+from ciders_cloud.study.report import report
+from ciders_cloud.study.simulate import SimConfig
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
 

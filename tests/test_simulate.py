@@ -8,11 +8,11 @@ from safetensors.torch import load_file
 
 from ciders_cloud.prepare import STATE_DIR
 from ciders_cloud.rounds import hypergradient_packets
-from ciders_cloud.simulate import SimConfig, simulate
-from ciders_cloud.state import ServerState
+from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import STRATEGIES
+from ciders_cloud.study.simulate import SimConfig, simulate
 from ciders_edge.errors import ConfigError, PacketError
-from ciders_edge.packet import Packet
+from ciders_edge.formats.packet import Packet
 
 FAST = dict(
     model="tiny",
@@ -129,10 +129,10 @@ def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
     """The round-0 baseline (AdapEmu and base model) and each personalized messenger on AdapFu, as a
     direct computation on the same held-out examples gives them."""
     from ciders_cloud.prepare import bundle_path
-    from ciders_edge.bundle import Bundle
-    from ciders_edge.data import load_examples
-    from ciders_edge.evaluate import response_nll
-    from ciders_edge.personalize import load_personalized
+    from ciders_edge.data.records import load_examples
+    from ciders_edge.formats.bundle import Bundle
+    from ciders_edge.inference.evaluate import response_nll
+    from ciders_edge.inference.personalize import load_personalized
 
     out = tmp_path / "sim"
     simulate(_cfg(demo_dir, rounds=1, eval_generate=0), out)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from ciders_edge.lora import LoraSettings, attach_lora, lora_state
-from ciders_edge.models import load_model, load_tokenizer, resolve_model
-from ciders_edge.split import SplitSpec, build_adapemu
+from ciders_edge.model.lora import LoraSettings, attach_lora, lora_state
+from ciders_edge.model.sources import load_model, load_tokenizer, resolve_model
+from ciders_edge.model.split import SplitSpec, build_adapemu
 
 pytestmark = pytest.mark.smollm2
 

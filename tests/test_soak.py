@@ -18,8 +18,8 @@ from ciders_cloud import prepare
 from ciders_cloud.lock import run_lock
 from ciders_cloud.rounds import aggregate_files
 from ciders_edge.errors import CidersError, PacketError, StateError
-from ciders_edge.packet import Packet
-from ciders_edge.train import train
+from ciders_edge.formats.packet import Packet
+from ciders_edge.training.round import train
 
 
 def _hostile(valid: Packet, out) -> dict[str, list[str]]:

@@ -2,9 +2,9 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from ciders_edge.architectures import family_of
 from ciders_edge.errors import ConfigError, ModelError
-from ciders_edge.split import SplitSpec, build_adapemu, kept_indices
+from ciders_edge.model.families import family_of
+from ciders_edge.model.split import SplitSpec, build_adapemu, kept_indices
 
 
 def test_kept_indices_paper_example():

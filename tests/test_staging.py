@@ -10,13 +10,13 @@ import pytest
 from test_simulate import _cfg as sim_cfg
 from typer.testing import CliRunner
 
-import ciders_cloud.report as report_module
-import ciders_cloud.simulate as simulate_module
+import ciders_cloud.study.report as report_module
+import ciders_cloud.study.simulate as simulate_module
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.lock import LOCK_FILE as BUILDING
 from ciders_cloud.prepare import load_run
-from ciders_cloud.report import report
-from ciders_cloud.simulate import simulate
+from ciders_cloud.study.report import report
+from ciders_cloud.study.simulate import simulate
 from ciders_edge.errors import ConfigError, PacketError
 
 runner = CliRunner()

@@ -7,10 +7,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ciders_cloud.state import ServerState
+from ciders_cloud.server_state import ServerState
 from ciders_edge.cli import app as edge
 from ciders_edge.errors import StateError
-from ciders_edge.state import ClientState
+from ciders_edge.formats.client_state import ClientState
 
 
 def _client(tmp_path) -> ClientState:
@@ -76,7 +76,7 @@ def test_client_state_json_that_is_no_object_or_no_generator(tmp_path):
 
 
 def test_cli_names_the_broken_field_in_one_line(tiny_run, demo_dir, tmp_path):
-    from ciders_edge.bundle import Bundle
+    from ciders_edge.formats.bundle import Bundle
 
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
     m = Bundle.load(bundle).manifest

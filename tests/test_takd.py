@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from ciders_cloud.bootstrap import LayerAligner, gap_layers, gap_parameters
 from ciders_cloud.config import RunConfig, TakdConfig
 from ciders_cloud.fidelity import measure_fidelity
-from ciders_cloud.models import build_cloud_models
 from ciders_cloud.prepare import STATE_DIR, load_cloud_models, load_run
-from ciders_cloud.state import ServerState
+from ciders_cloud.server_state import ServerState
 from ciders_cloud.takd import Distiller, hidden_term, public_split, takd_loss, task_term
-from ciders_edge.data import IGNORE, collate, load_examples
+from ciders_cloud.teacher import build_cloud_models
+from ciders_edge.data.records import IGNORE, collate, load_examples
 from ciders_edge.errors import ConfigError
-from ciders_edge.models import load_tokenizer
-from ciders_edge.split import SplitSpec
+from ciders_edge.model.sources import load_tokenizer
+from ciders_edge.model.split import SplitSpec
 
 
 def test_takd_loss_matches_eq2_by_hand():
@@ -176,7 +176,7 @@ def test_bootstrap_is_cached_by_everything_it_depends_on(tiny_path, demo_dir, tm
     bundle bytes, log marked cached); another seed trains again."""
     import ciders_cloud.bootstrap as bootstrap_module
     from ciders_cloud import prepare
-    from ciders_edge.bundle import Bundle
+    from ciders_edge.formats.bundle import Bundle
 
     monkeypatch.setattr(bootstrap_module, "ciders_home", lambda: tmp_path / "home")
     run = RunConfig(model="tiny", messenger_depth=2, drop_ratio=0.5, public_data=str(demo_dir / "public.jsonl"),

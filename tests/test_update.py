@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from ciders_cloud.aggregation import aggregate, participation_weights, reconstruct_displacement
-from ciders_cloud.diagnostics import decompose, psi
+from ciders_cloud.study.diagnostics import decompose, psi
 from ciders_edge.config import RoundHyperparams
-from ciders_edge.local import local_update, warmup_cosine
-from ciders_edge.packet import Packet
-from ciders_edge.update import add, consensus_update, delta_c, displacement, trajectory_gradient
+from ciders_edge.formats.packet import Packet
+from ciders_edge.training.equations import add, consensus_update, delta_c, displacement, trajectory_gradient
+from ciders_edge.training.local_steps import local_update, warmup_cosine
 
 torch.set_default_dtype(torch.float32)
 

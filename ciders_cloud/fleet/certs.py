@@ -18,8 +18,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ciders_edge.atomic import write_bytes
 from ciders_edge.errors import ConfigError
+from ciders_edge.formats.atomic import write_bytes
 
 __all__ = ["make_certs", "CA_CERT", "SERVER_CERT", "SERVER_KEY"]
 

@@ -17,15 +17,14 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
-from ciders_edge.bundle import MANIFEST, Bundle
+from ciders_cloud.prepare import STATE_DIR, bundle_path, load_run
+from ciders_cloud.rounds import CLIENT_ID, aggregate_packets, check_packets, read_packets
+from ciders_cloud.server_state import ServerState
+from ciders_cloud.strategies import round_hyperparams_for
 from ciders_edge.errors import CidersError, ConfigError, PacketError
 from ciders_edge.fleet.bundle_sync import files_to_ship
 from ciders_edge.fleet.protocol import consensus_digest
-
-from ..prepare import STATE_DIR, bundle_path, load_run
-from ..rounds import CLIENT_ID, aggregate_packets, check_packets, read_packets
-from ..state import ServerState
-from ..strategies import round_hyperparams_for
+from ciders_edge.formats.bundle import MANIFEST, Bundle
 
 __all__ = ["Coordinator", "Edge", "NODES_DIR", "FLEET_DIR", "FLEET_LOG", "node_keys"]
 

@@ -20,15 +20,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ciders_cloud.fleet.certs import CA_CERT, SERVER_CERT, SERVER_KEY
+from ciders_cloud.fleet.coordinator import FLEET_DIR, FLEET_LOG, NODES_DIR, node_keys
+from ciders_cloud.fleet.superlink import GRPC_SWITCHES, LOOPBACK
+from ciders_cloud.prepare import STATE_DIR, load_run
+from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.join import flower_env, flower_tool, stop_on_sigterm
 from ciders_edge.progress import console
-
-from ..prepare import STATE_DIR, load_run
-from ..state import ServerState
-from .certs import CA_CERT, SERVER_CERT, SERVER_KEY
-from .coordinator import FLEET_DIR, FLEET_LOG, NODES_DIR, node_keys
-from .superlink import GRPC_SWITCHES, LOOPBACK
 
 __all__ = ["ServeOptions", "serve", "control_address"]
 

@@ -21,10 +21,9 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from ciders_cloud.fleet.coordinator import FLEET_DIR, Coordinator, Edge, edge_report, refusal
 from ciders_edge.errors import CidersError, StateError
 from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
-
-from .coordinator import FLEET_DIR, Coordinator, Edge, edge_report, refusal
 
 app = ServerApp()
 MAX_EMPTY_ROUNDS = 3  # rounds in a row without an accepted packet before the run gives up

@@ -14,9 +14,9 @@ import os
 import shutil
 from pathlib import Path, PurePosixPath
 
-from ..atomic import replace_dir, staging_dir, write_bytes
-from ..bundle import MANIFEST, Bundle
-from ..errors import BundleError
+from ciders_edge.errors import BundleError
+from ciders_edge.formats.atomic import replace_dir, staging_dir, write_bytes
+from ciders_edge.formats.bundle import MANIFEST, Bundle
 
 __all__ = ["held_files", "files_to_ship", "install_bundle"]
 

@@ -13,8 +13,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
-from . import edge
-from .protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
+from ciders_edge.fleet import edge
+from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
 
 app = ClientApp()
 

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, StateError
-from ..state import METRICS_LOG, ClientState
-from .bundle_sync import held_files, install_bundle
-from .protocol import consensus_digest
+from ciders_edge.errors import ConfigError, StateError
+from ciders_edge.fleet.bundle_sync import held_files, install_bundle
+from ciders_edge.fleet.protocol import consensus_digest
+from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 
 __all__ = ["EdgeConfig", "settle", "sync", "train", "PENDING", "BUNDLE"]
 
@@ -96,7 +96,7 @@ def train(
 ) -> tuple[bytes, dict]:
     """One round: rebuild and verify the bundle, train (``ciders-edge train``'s code), keep the new
     state pending; returns the packet and the training summary."""
-    from ..train import append_metrics, read_key, train_bundle  # transformers: only when training
+    from ciders_edge.training.round import append_metrics, read_key, train_bundle  # transformers: only when training
 
     state = settle(cfg.state, client_id, cloud_digest, cloud_round)
     bundle = install_bundle(cfg.state / BUNDLE, manifest, files)

@@ -128,7 +128,7 @@ def run_task(address: str, token: str) -> int:
             reply = Message(Error(code=ErrorCode.INVALID_FAB, reason=details), reply_to=message)
             code = 2
         else:
-            from .client_app import app
+            from ciders_edge.fleet.client_app import app
 
             log(
                 INFO,

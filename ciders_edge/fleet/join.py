@@ -19,11 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, StateError
-from ..profiles import load_profile
-from ..progress import console, status
-from .edge import EdgeConfig
-from .keys import ensure_node_key
+from ciders_edge.errors import ConfigError, StateError
+from ciders_edge.fleet.edge import EdgeConfig
+from ciders_edge.fleet.keys import ensure_node_key
+from ciders_edge.profiles import load_profile
+from ciders_edge.progress import console, status
 
 __all__ = ["join", "flower_tool", "flower_env", "stop_on_sigterm"]
 

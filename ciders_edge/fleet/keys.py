@@ -12,7 +12,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ..atomic import write_bytes
+from ciders_edge.formats.atomic import write_bytes
 
 __all__ = ["ensure_node_key", "PRIVATE", "PUBLIC"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from flwr.app import Array, ArrayRecord
 
-from ..packet import consensus_digest
+from ciders_edge.formats.packet import consensus_digest
 
 __all__ = [
     "SYNC",

@@ -1,0 +1,111 @@
+"""``--config FILE.toml``: keys mirror the flags; one file serves ``prepare`` and ``simulate``.
+
+Every key is checked at load, before anything is written, against the keys of both commands
+(:class:`ConfigFile`): a wrong type, a value outside a fixed set or an unknown key is one line naming
+the file and ``table.key``. In a file ``clients`` is simulate's client count and ``local_steps`` the
+edges' K; prepare's accepted client ids are ``client_ids``. Shipped presets are found by name.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+
+from ciders_cloud.config import RunConfig
+from ciders_cloud.study.simulate import SimConfig
+from ciders_edge.errors import ConfigError
+from ciders_edge.model.lora import LoraSettings
+
+__all__ = ["ConfigFile", "load_toml_config", "load_config", "merge_config", "COMMANDS"]
+
+COMMANDS = ("prepare", "simulate")
+
+
+@dataclass
+class ConfigFile(SimConfig):
+    """The keys a config file may hold: simulate's and prepare's own (only its field types are read)."""
+
+    TABLES = {**SimConfig.TABLES, "lora": LoraSettings, "backbone_lora": LoraSettings}
+
+    profiles: list[str] = field(default_factory=list)  # prepare's device profiles (simulate's is `profile`)
+    client_ids: list[str] = field(default_factory=list)  # prepare's accepted client ids (run.json's `clients`)
+    lora: dict = field(default_factory=dict)
+    backbone_lora: dict = field(default_factory=dict)
+
+
+PREPARE_ONLY = tuple(k for k in ConfigFile.field_types() if k not in SimConfig.field_types())
+# the file's keys that are RunConfig's too; `clients` is not: a file's is simulate's count
+RUN_KEYS = (set(RunConfig.field_types()) & set(ConfigFile.field_types())) - {"clients"}
+
+
+def config_path(name_or_path: str) -> Path:
+    """A shipped preset (``paper``) by name, or a TOML file."""
+    preset = files("ciders_cloud.presets").joinpath(f"{name_or_path}.toml")
+    path = Path(str(preset)) if preset.is_file() else Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"{name_or_path}: no such config file or preset (presets: paper)")
+    return path
+
+
+def load_toml_config(name_or_path: str) -> dict:
+    """The file's keys as written, unchecked."""
+    path = config_path(name_or_path)
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML ({err})") from None
+
+
+def load_config(name_or_path: str, command: str) -> dict:
+    """The file's keys, checked by type and allowed values, as ``command`` reads them."""
+    if command not in COMMANDS:
+        raise ValueError(f"no config files for {command!r}")
+    where = str(config_path(name_or_path))
+    data = ConfigFile.check(load_toml_config(name_or_path), where)
+    _check_ranges(data, where)
+    return _for_prepare(data) if command == "prepare" else _for_simulate(data, where)
+
+
+def _check_ranges(data: dict, where: str) -> None:
+    """A table's own checks (``eta`` positive, ...) with the file named: a table holds every key's default."""
+    for name, table in ConfigFile.TABLES.items():
+        try:
+            table.from_dict(data.get(name, {}))
+        except ConfigError as err:
+            raise ConfigError(f"{where}: [{name}] {err}") from None
+
+
+def _for_simulate(data: dict, where: str) -> dict:
+    """Simulate honours every key it knows; prepare's own ones it could not, so they are refused."""
+    extra = [k for k in PREPARE_ONLY if k in data]
+    if extra:
+        raise ConfigError(f"{where}: `{extra[0]}` is a key of `prepare`; `simulate` does not take it")
+    return data
+
+
+def _for_prepare(data: dict) -> dict:
+    """Prepare's keys: ``local_steps`` goes to the bundles' hyperparameters, ``profile`` (simulate's one
+    profile) stands for ``profiles``, ``client_ids`` for the accepted clients; the study's keys
+    (``clients``, ``rounds``, ``data``, ...) describe the rounds after prepare, not the run."""
+    run = {k: v for k, v in data.items() if k in RUN_KEYS}
+    if "local_steps" in data:
+        run["hyperparameters"] = {"local_steps": data["local_steps"], **data.get("hyperparameters", {})}
+    if "profile" in data and "profiles" not in data:
+        run["profiles"] = [data["profile"]]
+    if "client_ids" in data:
+        run["clients"] = data["client_ids"]
+    return run
+
+
+def merge_config(
+    config: str | None, flags: dict, tables: dict[str, dict] | None = None, command: str = "simulate"
+) -> dict:
+    """The checked TOML file, then the flags that were given (not ``None``); ``tables`` are flags that
+    belong in a table of the file (``[takd]``, ``[hyperparameters]``) and merge into it."""
+    merged = load_config(config, command) if config else {}
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    for table, values in (tables or {}).items():
+        merged[table] = {**merged.get(table, {}), **{k: v for k, v in values.items() if v is not None}}
+    return merged

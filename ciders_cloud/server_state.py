@@ -1,0 +1,128 @@
+"""Server state (v, c, every c_i, backbone LoRA, TAKD optimizer, RNG, round), saved per round.
+
+Written as one directory swapped in atomically, so a crash leaves the previous round whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ciders_edge.errors import StateError
+from ciders_edge.formats.statedir import INT, OBJECT, STR, Field, list_of, load_state_dir, optional, save_state_dir
+
+__all__ = ["ServerState", "optimizer_to_tensors", "optimizer_from_tensors"]
+
+MESSENGER = "messenger_lora.safetensors"
+BACKBONE = "backbone_lora.safetensors"
+CONSENSUS = "consensus.safetensors"
+CLIENTS = "client_consensus.safetensors"
+OPTIM = "takd_optimizer.safetensors"
+FORMAT_VERSION = 1
+FIELDS = {  # state.json, checked on load
+    "round": INT,
+    "takd_step": INT,
+    "clients": list_of(STR),
+    "rng": optional(OBJECT),
+    "last_round_digests": optional(list_of(STR)),
+    "last_summary": optional(Field("an object or null", lambda v: v is None or isinstance(v, dict))),
+}
+
+
+@dataclass
+class ServerState:
+    """The cloud's view of the federation after ``round`` completed rounds."""
+
+    round: int
+    messenger: dict[str, torch.Tensor]  # v, the global messenger LoRA
+    backbone: dict[str, torch.Tensor]  # learnable-backbone LoRA (TAKD)
+    consensus: dict[str, torch.Tensor]  # c
+    clients: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # c_i by client id
+    optimizer: dict[str, torch.Tensor] = field(default_factory=dict)  # TAKD AdamW moments
+    takd_step: int = 0
+    rng: dict = field(default_factory=dict)  # torch/python RNG states, JSON-able
+    last_round_digests: list[str] = field(default_factory=list)  # sha256 of the packets that made this state
+    last_summary: dict = field(default_factory=dict)  # what that aggregation reported
+
+    def save(self, path: str | Path) -> None:
+        flat = {f"{cid}/{k}": v for cid, st in self.clients.items() for k, v in st.items()}
+        tensors = {
+            MESSENGER: self.messenger,
+            BACKBONE: self.backbone,
+            CONSENSUS: self.consensus,
+            CLIENTS: flat,
+            OPTIM: self.optimizer,
+        }
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "round": self.round,
+            "takd_step": self.takd_step,
+            "clients": sorted(self.clients),
+            "rng": self.rng,
+            "last_round_digests": self.last_round_digests,
+            "last_summary": self.last_summary,
+        }
+        save_state_dir(Path(path), tensors, meta)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ServerState:
+        """The saved state; a missing file, a mistyped field or a stray client tensor is a StateError."""
+        path = Path(path)
+        names = (MESSENGER, BACKBONE, CONSENSUS, CLIENTS, OPTIM)
+        meta, tensors = load_state_dir(path, names, FORMAT_VERSION, "server state", FIELDS)
+        return cls(
+            meta["round"],
+            tensors[MESSENGER],
+            tensors[BACKBONE],
+            tensors[CONSENSUS],
+            _clients(meta["clients"], tensors[CLIENTS], path / CLIENTS),
+            _optimizer(tensors[OPTIM], path / OPTIM),
+            meta["takd_step"],
+            meta.get("rng", {}),
+            meta.get("last_round_digests", []),
+            meta.get("last_summary", {}),
+        )
+
+
+def _clients(ids: list[str], flat: dict[str, torch.Tensor], where: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every c_i by client id from ``"{client}/{tensor}"`` keys; each client must be one state.json lists."""
+    clients: dict[str, dict[str, torch.Tensor]] = {cid: {} for cid in ids}
+    for key, v in flat.items():
+        cid, sep, name = key.partition("/")
+        if not sep or cid not in clients:
+            raise StateError(f"{where}: server state corrupt (tensor {key!r} is not of a client state.json lists)")
+        clients[cid][name] = v
+    return clients
+
+
+def _optimizer(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """TAKD's moments, keyed as :func:`optimizer_to_tensors` writes them (checked now, not at the next TAKD)."""
+    for key in tensors:
+        idx, sep, name = key.partition(".")
+        if not (sep and name and idx.isascii() and idx.isdigit()):
+            raise StateError(f"{where}: server state corrupt (tensor {key!r} is not an optimizer moment)")
+    return tensors
+
+
+def optimizer_to_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW's per-parameter moments as ``"{index}.{name}"`` tensors (no pickling)."""
+    out = {}
+    for idx, st in opt.state_dict()["state"].items():
+        for name, v in st.items():
+            out[f"{idx}.{name}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """Restore moments saved by :func:`optimizer_to_tensors` into ``opt`` (same parameter order)."""
+    if not tensors:
+        return
+    sd = opt.state_dict()
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, v in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    sd["state"] = state
+    opt.load_state_dict(sd)

@@ -1,0 +1,148 @@
+"""Evaluation for ``simulate``: held-out NLL with personalized and global messengers, ROUGE-L,
+exact match, and the cross-domain NLL matrix with Delta_cross (paper §VI-E), on the AdapEmu; the
+matched-domain NLL of the personalized messenger on AdapFu (the full backbone) beside it; and the
+round-0 baseline every gain is measured from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import mean
+
+from ciders_edge.data.records import load_examples, read_jsonl, to_chat
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import ClientState
+from ciders_edge.inference.evaluate import (
+    backbone_batches,
+    exact_match_answer,
+    generate_answers,
+    messenger_nll,
+    perplexity,
+    rouge_l,
+    use_messenger,
+)
+from ciders_edge.model.adapemu import EdgeModel, load_edge_model
+from ciders_edge.model.adapfu import load_adapfu
+from ciders_edge.progress import progress_bar
+
+__all__ = ["evaluate_round", "evaluate_baseline", "delta_cross"]
+
+
+def delta_cross(matrix: list[list[float]]) -> float:
+    """Mean off-diagonal NLL minus mean diagonal NLL: how much a personalized model loses off its domain."""
+    n = len(matrix)
+    diag = [matrix[i][i] for i in range(n)]
+    off = [matrix[i][j] for i in range(n) for j in range(n) if i != j]
+    return mean(off) - mean(diag) if off else 0.0
+
+
+def _eval_examples(out: Path, cid: str, tokenizer, cfg) -> list:
+    return load_examples(out / "data" / cid / "eval.jsonl", tokenizer, 512)[: cfg.eval_examples]
+
+
+def evaluate_baseline(bundle_dir: Path, out: Path, ids: list[str], domains: dict[str, str], cfg) -> list[dict]:
+    """Before any training: each client's held-out NLL on the round-0 AdapEmu and on the base model
+    (AdapFu with the round-0 messenger, which is the base model's own)."""
+    bundle = Bundle.load(bundle_dir)
+    records = []
+    models = [("emu", load_edge_model(bundle))] + ([("full", load_adapfu(bundle))] if bundle.has_full_backbone else [])
+    for cid in ids:
+        rec = {"type": "baseline", "round": -1, "client": cid, "domain": domains[cid]}
+        for name, edge in models:
+            rec[f"nll_{name}"] = messenger_nll(
+                edge, backbone_batches(edge, _eval_examples(out, cid, edge.tokenizer, cfg))
+            )
+        records.append(rec)
+    return records
+
+
+def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[str, str], cfg) -> dict:
+    """Score every client on its held-out data; the matrix when clients hold different domains."""
+    edge = load_edge_model(Bundle.load(bundle_dir))
+    v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
+    round_ = edge.bundle.round - 1
+    with progress_bar() as bar:  # minutes on SmolLM2: one backbone pass and one matrix row per client
+        task = bar.add_task(f"round {round_} evaluation", total=2 * len(ids), metrics="")
+        evals = {}  # through the shared backbone once: each row of the matrix only swaps the messenger
+        for cid in ids:
+            evals[cid] = backbone_batches(edge, _eval_examples(out, cid, edge.tokenizer, cfg))
+            bar.update(task, advance=1, metrics=f"backbone pass {cid}")
+        records, matrix = [], []
+        for cid in ids:
+            record, row = _client_record(edge, v, evals, out, cid, ids, cfg)
+            records.append({"type": "eval", "round": round_, "client": cid, "domain": domains[cid], **record})
+            matrix.append(row)
+            bar.update(task, advance=1, metrics=f"{cid} NLL {records[-1]['nll_personal']:.3f}")
+    full = _adapfu_nll(edge.bundle, out, ids, cfg)
+    for rec in records:
+        rec.update(full.get(rec["client"], {}))
+    cross = delta_cross(matrix) if len(set(domains.values())) > 1 else None
+    records.append(
+        {
+            "type": "cross",
+            "round": round_,
+            "clients": ids,
+            "domains": [domains[c] for c in ids],
+            "matrix": matrix,
+            "delta_cross": cross,
+        }
+    )
+    clients = records[:-1]
+    return {
+        "records": records,
+        "mean_nll_personal": mean(r["nll_personal"] for r in clients),
+        "mean_nll_global": mean(r["nll_global"] for r in clients),
+        "mean_nll_full_personal": mean(r["nll_full_personal"] for r in clients) if full else None,
+        "delta_cross": cross,
+    }
+
+
+def _adapfu_nll(bundle: Bundle, out: Path, ids: list[str], cfg) -> dict[str, dict]:
+    """Each client's personalized (and the global) messenger on AdapFu, on its own held-out data."""
+    if not bundle.has_full_backbone:
+        return {}
+    edge = load_adapfu(bundle)
+    v = {k: t.float() for k, t in bundle.messenger_lora().items()}
+    out_ = {}
+    for cid in ids:
+        batches = backbone_batches(edge, _eval_examples(out, cid, edge.tokenizer, cfg))
+        use_messenger(edge, v)
+        nll_global = messenger_nll(edge, batches)
+        state = ClientState.load(out / "clients" / cid)
+        use_messenger(edge, state.personalized if state is not None and state.personalized else v)
+        out_[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
+    return out_
+
+
+def _client_record(
+    edge: EdgeModel, v: dict, evals: dict, out: Path, cid: str, ids: list[str], cfg
+) -> tuple[dict, list[float]]:
+    """One client's scores, and its matrix row: its personalized messenger on every client's data."""
+    state = ClientState.load(out / "clients" / cid)
+    personal = state.personalized if state is not None and state.personalized else v
+    use_messenger(edge, v)
+    nll_global = messenger_nll(edge, evals[cid])
+    use_messenger(edge, personal)
+    row = [messenger_nll(edge, evals[other]) for other in ids]
+    nll_personal = row[ids.index(cid)]
+    rouge, em = _generation_scores(edge, out / "data" / cid / "eval.jsonl", cfg.eval_generate)
+    record = {
+        "nll_personal": nll_personal,
+        "nll_global": nll_global,
+        "ppl_personal": perplexity(nll_personal),
+        "ppl_global": perplexity(nll_global),
+        "rouge_l": rouge,
+        "exact_match": em,
+    }
+    return record, row
+
+
+def _generation_scores(edge: EdgeModel, path: Path, n: int) -> tuple[float | None, float | None]:
+    if n <= 0:
+        return None, None
+    rows = read_jsonl(path)[:n]
+    chats = [to_chat(r) for r in rows]
+    answers = generate_answers(edge, [prompt for prompt, _ in chats])
+    refs = [str(r.get("answer", resp)) for r, (_, resp) in zip(rows, chats, strict=True)]
+    rouge = mean(rouge_l(a, resp) for a, (_, resp) in zip(answers, chats, strict=True))
+    em = mean(float(exact_match_answer(a) == exact_match_answer(ref)) for a, ref in zip(answers, refs, strict=True))
+    return rouge, em

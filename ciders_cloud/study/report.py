@@ -1,0 +1,186 @@
+"""``ciders-cloud report``: PNG plots and a markdown summary comparing simulation runs.
+
+The report is drawn into a hidden folder beside ``--out`` and swapped in whole, so a failure leaves
+the previous report (or none) and never a mix of old and new plots.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+from ciders_edge.errors import ConfigError
+from ciders_edge.formats.atomic import fsync_tree, replace_dir, staging_dir
+
+__all__ = ["report", "load_metrics"]
+
+
+def load_metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{run}: no metrics.jsonl (is it a `ciders-cloud simulate` output folder?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _label(run: Path, rows: list[dict]) -> str:
+    algo = next((r["algorithm"] for r in rows if r["type"] == "round"), "?")
+    return algo if run.name == algo else f"{algo} ({run.name})"
+
+
+def _per_round(rows: list[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
+    by = defaultdict(list)
+    for r in rows:
+        if r["type"] == kind and r.get(key) is not None and r[key] == r[key]:  # skip NaN
+            by[r["round"]].append(r[key])
+    rounds = sorted(by)
+    return rounds, [mean(by[t]) for t in rounds]
+
+
+def report(runs: list[str | Path], out: str | Path) -> dict:
+    """Draw the plots for ``runs`` into ``out`` and write ``out/summary.md``; returns the file list.
+
+    Raises:
+        ConfigError: a run has no metrics, or ``out`` holds files a report did not write.
+    """
+    data = {Path(r): load_metrics(Path(r)) for r in runs}
+    labels = {run: _label(run, rows) for run, rows in data.items()}
+    out = Path(out)
+    _check_out(out)
+    staging = staging_dir(out)
+    try:
+        files = _draw(staging, data, labels)
+        fsync_tree(staging)
+        replace_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"out": str(out), "files": files}
+
+
+def _check_out(out: Path) -> None:
+    """``out`` is new, empty or an earlier report: replacing it whole loses nothing else."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out}: is a file; choose a folder for --out")
+    other = sorted(p.name for p in out.iterdir() if not _report_file(p)) if out.is_dir() else []
+    if other:
+        raise ConfigError(f"{out}: holds {other[0]}, which `report` did not write; choose a new --out")
+
+
+def _report_file(path: Path) -> bool:
+    return path.is_file() and (path.suffix == ".png" or path.name == "summary.md")
+
+
+def _draw(out: Path, data: dict, labels: dict) -> list[str]:
+    """Every plot and ``summary.md`` into ``out``; returns their names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    files = []
+
+    def line_plot(name: str, kind: str, key: str, title: str, ylabel: str) -> None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run, rows in data.items():
+            x, y = _per_round(rows, kind, key)
+            if x:
+                ax.plot(x, y, marker="o", label=labels[run])
+        ax.set(title=title, xlabel="round", ylabel=ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        files.append(name)
+
+    line_plot("loss.png", "client", "loss_last", "local training loss (mean over clients)", "loss")
+    line_plot("e_rae.png", "client", "E-RAE", "E-RAE (measured vs Prop. 2 direction)", "E-RAE")
+    line_plot("nll.png", "eval", "nll_personal", "held-out NLL, personalized messenger", "NLL / token")
+    line_plot("bytes_up.png", "round", "bytes_up", "bytes uploaded per round (all clients)", "bytes")
+    files.append(_gamma_plot(plt, out, data, labels))
+    for run, rows in data.items():
+        cross = [r for r in rows if r["type"] == "cross"]
+        if cross:
+            files.append(_heatmap(plt, out, run, cross[-1], labels[run]))
+    (out / "summary.md").write_text(_summary(data, labels))
+    files.append("summary.md")
+    return files
+
+
+def _gamma_plot(plt, out: Path, data: dict, labels: dict) -> str:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run, rows in data.items():
+        pts = [r for r in rows if r["type"] == "client"]
+        g = [r["gamma"] for r in pts]
+        ax.scatter(g, [r["S-PPR"] for r in pts], marker="^", label=f"S-PPR {labels[run]}")
+        ax.scatter(g, [r["S-DR"] for r in pts], marker="v", label=f"S-DR {labels[run]}")
+        ax.scatter(g, [r["PPR"] for r in pts], marker=".", alpha=0.5, label=f"PPR (measured) {labels[run]}")
+    ax.set(title="S-DR and S-PPR against gamma", xlabel="gamma_t", ylabel="share")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "sdr_sppr_gamma.png", dpi=120)
+    plt.close(fig)
+    return "sdr_sppr_gamma.png"
+
+
+def _heatmap(plt, out: Path, run: Path, cross: dict, label: str) -> str:
+    """The NLL matrix, coloured by each cell's difference to its column's mean: domains differ in
+    difficulty far more than messengers do, so raw NLL colours would hide the personalization."""
+    matrix = cross["matrix"]
+    col_mean = [mean(col) for col in zip(*matrix, strict=True)]
+    diff = [[v - m for v, m in zip(row, col_mean, strict=True)] for row in matrix]
+    span = max(abs(d) for row in diff for d in row) or 1.0
+    side = max(5.0, 0.75 * len(matrix) + 2.0)  # room for one "3.142" per cell
+    fig, ax = plt.subplots(figsize=(side + 1.0, side))
+    im = ax.imshow(diff, cmap="RdBu_r", vmin=-span, vmax=span)
+    names = [f"{c}\n{d}" for c, d in zip(cross["clients"], cross["domains"], strict=True)]
+    ax.set_xticks(range(len(names)), names, fontsize=6, rotation=45)
+    ax.set_yticks(range(len(names)), names, fontsize=6)
+    for i, row in enumerate(cross["matrix"]):
+        for j, v in enumerate(row):
+            ink = "w" if abs(diff[i][j]) > 0.6 * span else "k"
+            ax.text(j, i, f"{v:.3f}", ha="center", va="center", color=ink, fontsize=7)
+    ax.set(title=f"NLL: model of row on data of column\n{label}", xlabel="eval data", ylabel="personalized model")
+    fig.colorbar(im, ax=ax, label="NLL minus the column's mean")
+    fig.tight_layout()
+    name = f"nll_matrix_{run.name}.png"
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    return name
+
+
+def _summary(data: dict, labels: dict) -> str:
+    lines = [
+        "# CIDERS simulation report",
+        "",
+        "| run | rounds | round-0 AdapEmu NLL | final NLL personalized | final NLL global | "
+        "AdapFu NLL personalized | Δcross | bytes up / round | bytes down / client / round | wall s / round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run, rows in data.items():
+        evals = [r for r in rows if r["type"] == "eval"]
+        last = max((r["round"] for r in evals), default=None)
+        final = [r for r in evals if r["round"] == last]
+        rounds = [r for r in rows if r["type"] == "round"]
+        cross = [r for r in rows if r["type"] == "cross"]
+        dc = cross[-1]["delta_cross"] if cross and cross[-1]["delta_cross"] is not None else float("nan")
+
+        baseline = [r for r in rows if r["type"] == "baseline"]
+        lines.append(
+            f"| {labels[run]} | {len(rounds)} | {_mean(baseline, 'nll_emu')} | {_mean(final, 'nll_personal')} | "
+            f"{_mean(final, 'nll_global')} | {_mean(final, 'nll_full_personal')} | {dc:.4f} | "
+            f"{mean(r['bytes_up'] for r in rounds):,.0f} | {mean(r['bytes_down'] for r in rounds):,.0f} | "
+            f"{mean(r['wall_s'] for r in rounds):.1f} |"
+        )
+    lines += ["", "Plots: loss.png, e_rae.png, nll.png, bytes_up.png, sdr_sppr_gamma.png, nll_matrix_*.png.", ""]
+    return "\n".join(lines)
+
+
+def _mean(rows: list[dict], key: str) -> str:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return f"{mean(values):.4f}" if values else "-"

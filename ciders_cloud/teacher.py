@@ -1,0 +1,92 @@
+"""The cloud's models: the frozen full model M* (teacher) and the AdapEmu with both LoRAs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from ciders_cloud.config import RunConfig
+from ciders_cloud.server_state import ServerState
+from ciders_edge.errors import StateError
+from ciders_edge.model.families import family_of
+from ciders_edge.model.lora import BACKBONE, MESSENGER, attach_lora, load_lora_state, lora_state
+from ciders_edge.model.sources import load_model, load_tokenizer
+from ciders_edge.model.split import SplitSpec, build_adapemu
+
+__all__ = ["CloudModels", "build_cloud_models", "split_for"]
+
+
+@dataclass
+class CloudModels:
+    teacher: PreTrainedModel  # M*: B_F followed by the original top layers; frozen
+    emu: PeftModel  # AdapEmu = P_M ∘ B_L with adapters `messenger` (v) and `backbone`
+    base_weights: dict[str, torch.Tensor]  # AdapEmu weights without LoRA, for bundles (views of the live weights)
+    split: SplitSpec
+    tokenizer: PreTrainedTokenizerBase
+
+    def changed_layers(self) -> dict[str, torch.Tensor]:
+        """The AdapEmu base weights that differ from the source layers they were copied from (prepare's
+        bootstrap trains the layers after each gap): what the run folder keeps beside the source model."""
+        source = self.teacher.state_dict()
+        out = {}
+        for j, i in enumerate(self.split.kept):
+            layer = {k: v for k, v in self.base_weights.items() if k.startswith(f"model.layers.{j}.")}
+            if any(not torch.equal(v, source[k.replace(f"layers.{j}.", f"layers.{i}.", 1)]) for k, v in layer.items()):
+                out.update({k: v.clone() for k, v in layer.items()})
+        return out
+
+    def full_backbone(self) -> dict[str, torch.Tensor]:
+        """The source layers ``0..n-a-1`` that the AdapEmu's backbone does not hold unchanged (the dropped
+        ones and the ones bootstrap trained), under their source names: with the bundle's backbone file,
+        they make the full backbone B_F that AdapFu runs on."""
+        changed = {int(k.split(".")[2]) for k in self.changed_layers()}
+        unchanged = {i for j, i in enumerate(self.split.kept) if j not in changed}
+        needed = [i for i in range(self.split.n - self.split.a) if i not in unchanged]
+        source = self.teacher.state_dict()
+        return {k: v for k, v in source.items() for i in needed if k.startswith(f"model.layers.{i}.")}
+
+    def messenger_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in lora_state(self.emu, MESSENGER).items()}
+
+    def load_messenger(self, v: dict[str, torch.Tensor]) -> None:
+        """Hold ``v`` as the messenger LoRA (for TAKD after aggregation)."""
+        load_lora_state(self.emu, v, MESSENGER)
+
+    def backbone_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in lora_state(self.emu, BACKBONE).items()}
+
+
+def split_for(run: RunConfig) -> SplitSpec:
+    """The run's split, from the model's config alone."""
+    config = AutoConfig.from_pretrained(run.model_path)
+    family_of(config)
+    return SplitSpec.from_drop_ratio(config.num_hidden_layers, run.messenger_depth, run.drop_ratio)
+
+
+def build_cloud_models(
+    run: RunConfig, state: ServerState | None = None, aligned: dict[str, torch.Tensor] | None = None
+) -> CloudModels:
+    """Load M*, build its AdapEmu with the run's ``aligned`` layers (prepare's bootstrap), attach the
+    LoRAs (seeded) and, if given, load their state."""
+    path = Path(run.model_path)
+    split = split_for(run)
+    teacher = load_model(path).eval().requires_grad_(False)
+    emu = build_adapemu(teacher, split)
+    if aligned:
+        missing = sorted(set(aligned) - set(emu.state_dict()))
+        if missing:
+            raise StateError(f"aligned layer tensors {missing[:2]} do not belong to this run's AdapEmu")
+        emu.load_state_dict(aligned, strict=False)
+    base = {k: v for k, v in emu.state_dict().items()}
+    if emu.config.tie_word_embeddings:
+        base.pop("lm_head.weight", None)
+    torch.manual_seed(run.seed)
+    model = attach_lora(emu, split, run.lora_settings, run.backbone_lora_settings).eval()
+    if state is not None:
+        load_lora_state(model, state.messenger, MESSENGER)
+        load_lora_state(model, state.backbone, BACKBONE)
+    return CloudModels(teacher, model, base, split, load_tokenizer(path))

@@ -1,0 +1,117 @@
+"""Client state under ``--state DIR``: c_i, the personalized messenger, round, counters, RNG.
+
+Saved as one directory swapped in atomically: a crash mid-training leaves the previous state whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ciders_edge.errors import StateError
+from ciders_edge.formats.atomic import recover_dir
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.statedir import INT, STR, Field, list_of, load_state_dir, optional, save_state_dir
+from ciders_edge.training.equations import Tensors
+
+__all__ = ["ClientState", "METRICS_LOG"]
+
+CURRENT = "current"
+CONSENSUS = "consensus.safetensors"  # c_i
+MESSENGER = "messenger.safetensors"  # x_K, the personalized messenger LoRA
+RNG = "rng.safetensors"
+METRICS_LOG = "metrics.jsonl"
+FORMAT_VERSION = 1
+COUNTERS = ("rounds", "steps", "examples_seen")
+FIELDS = {  # state.json, checked on load
+    "client_id": STR,
+    "model_revision": STR,
+    "kept_layers": list_of(INT),
+    "round": INT,
+    "bundle_id": STR,
+    "frozen_digest": optional(STR),
+    "run_id": optional(STR),
+    "counters": Field(
+        "an object of integer " + ", ".join(COUNTERS),
+        lambda v: isinstance(v, dict) and all(INT.check(v.get(k)) for k in COUNTERS),
+    ),
+}
+
+
+@dataclass
+class ClientState:
+    """What an edge keeps between rounds. ``round`` is the last round it trained (-1: never)."""
+
+    client_id: str
+    model_revision: str  # content hash of the base model the run was prepared from
+    kept_layers: list[int]
+    round: int = -1
+    bundle_id: str = ""  # the bundle the last round trained from
+    frozen_digest: str = ""  # that bundle's frozen parts (Bundle.frozen_digest): what `personalized` runs on
+    c_i: Tensors = field(default_factory=dict)
+    personalized: Tensors = field(default_factory=dict)
+    counters: dict = field(default_factory=lambda: {"rounds": 0, "steps": 0, "examples_seen": 0})
+    rng: torch.Tensor | None = None  # torch CPU generator state
+    run_id: str = ""  # the run (bundle manifest's run_id) this state's c_i belongs to
+
+    def check_run(self, bundle: Bundle) -> None:
+        """Refuse a bundle of another run: this c_i is a share of that run's consensus, not this one's."""
+        theirs = bundle.manifest.get("run_id", "")
+        if self.run_id and theirs and self.run_id != theirs:
+            raise StateError(
+                f"this state belongs to run {self.run_id[:12]}, the bundle to run {theirs[:12]}; "
+                "use this run's state folder, or a new --state (a new client)"
+            )
+
+    def check_model(self, bundle: Bundle) -> None:
+        """Refuse a bundle of another base model or split: nothing of this state applies to it."""
+        m = bundle.manifest
+        model, revision, kept = m["base_model"]["id"], m["base_model"]["revision"], m["split"]["kept"]
+        if self.model_revision != revision or self.kept_layers != kept:
+            raise StateError(
+                f"this state was made for another model or split (model {self.model_revision[:12]}, "
+                f"{len(self.kept_layers)} kept layers); the bundle is {model} {revision[:12]} with {len(kept)} "
+                "kept layers; use a new --state folder"
+            )
+
+    def save(self, path: str | Path) -> None:
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "client_id": self.client_id,
+            "model_revision": self.model_revision,
+            "kept_layers": self.kept_layers,
+            "round": self.round,
+            "bundle_id": self.bundle_id,
+            "frozen_digest": self.frozen_digest,
+            "counters": self.counters,
+            "run_id": self.run_id,
+        }
+        rng = {"torch": self.rng} if self.rng is not None else {}
+        save_state_dir(Path(path) / CURRENT, {CONSENSUS: self.c_i, MESSENGER: self.personalized, RNG: rng}, meta)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClientState | None:
+        """The saved state, or ``None`` for a folder that holds none yet."""
+        cur = Path(path) / CURRENT
+        recover_dir(cur)
+        if not cur.exists():
+            return None
+        meta, t = load_state_dir(cur, (CONSENSUS, MESSENGER, RNG), FORMAT_VERSION, "client state", FIELDS)
+        c_i, personalized, rng = t[CONSENSUS], t[MESSENGER], t[RNG].get("torch")
+        if rng is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
+            raise StateError(f"{cur / RNG}: client state corrupt (`torch` is not a generator state: {rng.dtype})")
+        return cls(
+            meta["client_id"],
+            meta["model_revision"],
+            meta["kept_layers"],
+            meta["round"],
+            meta["bundle_id"],
+            meta.get("frozen_digest", ""),
+            c_i,
+            personalized,
+            meta["counters"],
+            rng,
+            meta.get("run_id", ""),
+        )

@@ -1,0 +1,114 @@
+"""Exported model folders: a personalized model as plain Hugging Face files or ONNX, with a manifest.
+
+The folder is what a user deploys: ``hf`` loads in plain ``AutoModelForCausalLM.from_pretrained``,
+``onnx`` in optimum's ``ORTModelForCausalLM``. ``manifest.json`` records where the model came from
+(bundle, client, round) and the sha256 of every file; :meth:`Export.load` verifies them all.
+Writing lives in the ``export`` package; the edge runtime only reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ciders_edge.errors import ExportError
+from ciders_edge.formats.atomic import recover_dir
+from ciders_edge.formats.bundle import producer_versions
+from ciders_edge.formats.checksums import hash_folder, verify_files
+
+__all__ = ["Export", "export_manifest", "FORMAT", "MANIFEST", "ONNX_FILE", "FORMATS", "QUANTIZATIONS"]
+
+FORMAT = "ciders-export"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ONNX_FILE = "model.onnx"
+FORMATS = ("hf", "onnx")
+QUANTIZATIONS = ("none", "int8", "int8-dynamic")
+
+
+def export_manifest(folder: Path, fmt: str, quantize: str, source: dict, extra: dict | None = None) -> dict:
+    """The manifest of a fully written export folder (every file hashed)."""
+    files = hash_folder(folder, exclude=MANIFEST)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_format": fmt,
+        "quantize": quantize,
+        "source": source,
+        "producer": producer_versions(),
+        **(extra or {}),
+        "files": files,
+    }
+
+
+@dataclass
+class Export:
+    """A verified export folder."""
+
+    path: Path
+    manifest: dict
+
+    @property
+    def format(self) -> str:
+        return self.manifest["model_format"]
+
+    @property
+    def quantize(self) -> str:
+        return self.manifest["quantize"]
+
+    @property
+    def source(self) -> dict:
+        return self.manifest["source"]
+
+    @property
+    def runtime(self) -> str:
+        """The runtime name ``bench`` and ``infer`` report: torch, onnx, onnx-int8, ..."""
+        if self.format == "hf":
+            return "torch"
+        return "onnx" if self.quantize == "none" else f"onnx-{self.quantize}"
+
+    @classmethod
+    def load(cls, path: str | Path) -> Export:
+        path = Path(path)
+        recover_dir(path)
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            raise ExportError(f"{path}: not an export folder (no {MANIFEST}); create one with `ciders-edge export`")
+        try:
+            m = json.loads(mpath.read_text())
+        except json.JSONDecodeError as err:
+            raise ExportError(f"{mpath}: corrupt manifest ({err.msg})") from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ExportError(f"{mpath}: not a CIDERS export manifest")
+        if m.get("format_version") != FORMAT_VERSION:
+            raise ExportError(f"{mpath}: export format version {m.get('format_version')} is not supported")
+        missing = [k for k in ("model_format", "quantize", "source", "files") if k not in m]
+        if missing or m["model_format"] not in FORMATS:
+            raise ExportError(f"{mpath}: manifest lacks {missing or ['a known model_format']}")
+        verify_files(path, m["files"], ExportError, "export", advice="; export again")
+        return cls(path, m)
+
+    def load_model(self, providers: list[str] | None = None):
+        """The exported model, ready for ``generate``: transformers (hf) or ONNX Runtime (onnx)."""
+        if self.format == "hf":
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(self.path, trust_remote_code=False).eval()
+        from optimum.onnxruntime import ORTModelForCausalLM
+
+        if ONNX_FILE not in self.manifest["files"]:
+            raise ExportError(f"{self.path}: the manifest lists no {ONNX_FILE}")
+        try:
+            return ORTModelForCausalLM.from_pretrained(
+                self.path, file_name=ONNX_FILE, providers=providers or ["CPUExecutionProvider"]
+            )
+        except Exception as err:  # onnxruntime's own exception types (bad graph, provider failing to start)
+            raise ExportError(
+                f"{self.path / ONNX_FILE}: onnxruntime failed with providers {providers}: {err}"
+            ) from None
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)

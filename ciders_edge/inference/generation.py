@@ -1,0 +1,131 @@
+"""Text generation for any runtime: a torch model and an ONNX Runtime model share ``generate``.
+
+Both are transformers ``GenerationMixin``s, so sampling, stopping and streaming are the library's;
+this module adds the chat template, the context check and the timings ``infer`` and ``bench`` report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase, TextStreamer
+
+from ciders_edge.config import ConfigMixin
+from ciders_edge.errors import ConfigError, DataError
+
+__all__ = ["GenerationSettings", "Generation", "chat_ids", "encode_prompt", "generate", "context_length"]
+
+
+@dataclass
+class GenerationSettings(ConfigMixin):
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy decoding
+    top_p: float = 1.0
+    seed: int = 0
+    min_new_tokens: int = 0  # > 0 makes a benchmark decode a fixed length
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ConfigError(f"`max_new_tokens` must be positive, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise ConfigError(f"`temperature` must be >= 0, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"`top_p` must be in (0, 1], got {self.top_p}.")
+
+    def generate_kwargs(self) -> dict:
+        kw = {"max_new_tokens": self.max_new_tokens, "min_new_tokens": self.min_new_tokens}
+        if self.temperature == 0:
+            return {**kw, "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {**kw, "do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": None}
+
+
+@dataclass
+class Generation:
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    first_token_s: float  # prompt prefill and the first token: what a user waits before text appears
+    total_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second after the first one (the steady decode rate); None below two tokens."""
+        rest = self.total_s - self.first_token_s
+        return (self.new_tokens - 1) / rest if self.new_tokens > 1 and rest > 0 else None
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+def context_length(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 2048)
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> torch.Tensor:
+    """Token ids (1, T) of ``messages`` in the model's chat template."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, return_tensors="pt")
+    return ids["input_ids"] if hasattr(ids, "input_ids") else ids  # some tokenizers return a BatchEncoding
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], context: int, max_new_tokens: int, where: str = "prompt"
+) -> torch.Tensor:
+    """Token ids of the chat prompt (1, T); refuses one that leaves no room for the answer."""
+    ids = chat_ids(tokenizer, messages, add_generation_prompt=True)
+    if ids.shape[1] + max_new_tokens > context:
+        raise DataError(
+            f"{where}: {ids.shape[1]} prompt tokens + {max_new_tokens} new tokens exceed the model's context "
+            f"of {context} tokens; shorten the prompt or lower --max-new-tokens"
+        )
+    return ids
+
+
+class _TimedStreamer(TextStreamer):
+    """Passes finished text pieces to a callback and notes when the first new token arrived."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None] | None) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.on_text = on_text
+        self.first_token_at: float | None = None
+        self._seen_prompt = False
+
+    def put(self, value) -> None:
+        if self._seen_prompt and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self._seen_prompt = True
+        super().put(value)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if self.on_text is not None and text:
+            self.on_text(text)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer: PreTrainedTokenizerBase,
+    input_ids: torch.Tensor,
+    settings: GenerationSettings,
+    on_text: Callable[[str], None] | None = None,
+) -> Generation:
+    """Generate one answer (batch 1, as on a device); ``on_text`` receives it as it is decoded."""
+    streamer = _TimedStreamer(tokenizer, on_text)
+    input_ids = input_ids.to(model.device)
+    torch.manual_seed(settings.seed)
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        pad_token_id=tokenizer.pad_token_id,
+        streamer=streamer,
+        **settings.generate_kwargs(),
+    )
+    total = time.perf_counter() - start
+    new = out[0, input_ids.shape[1] :]
+    first = (streamer.first_token_at or start + total) - start
+    return Generation(
+        tokenizer.decode(new, skip_special_tokens=True), input_ids.shape[1], int(new.numel()), first, total
+    )

@@ -1,0 +1,134 @@
+"""The personalized model an edge runs: a backbone with the state's messenger x_K.
+
+The backbone is the bundle's AdapEmu (what the messenger trained on) or the full backbone (AdapFu,
+:mod:`.adapfu`). On the AdapEmu a messenger is only meaningful with the backbone it was trained
+against, so a state is accepted with any bundle whose frozen parts (:attr:`Bundle.frozen_digest`)
+equal those it trained on; AdapFu's parts are the same in every bundle of a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from ciders_edge.errors import ConfigError, StateError
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import ClientState
+from ciders_edge.model.adapemu import EdgeModel, load_edge_model
+from ciders_edge.model.adapfu import load_adapfu
+from ciders_edge.profiles import BACKBONES
+from ciders_edge.training.equations import Tensors
+
+__all__ = [
+    "Source",
+    "personal_messenger",
+    "load_personalized",
+    "load_backbone",
+    "merge_messenger",
+    "resolve_backbone",
+    "MESSENGERS",
+]
+
+MESSENGERS = ("personalized", "global", "base")  # base: the messenger layers as the source model has them
+
+
+@dataclass
+class Source:
+    """Which model is running: recorded in exports and shown by ``infer``."""
+
+    bundle_id: str
+    round: int
+    frozen_digest: str  # what the messenger runs on: Bundle.frozen_digest (emu) or Bundle.full_digest (full)
+    messenger: str  # "personalized", "global" or "base"
+    client_id: str = ""
+    state_round: int = -1  # the round whose training produced the personalized messenger
+    backbone: str = "emu"
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def same_model(self, other: dict) -> bool:
+        """Does ``other`` (an export's recorded source) run exactly this model?"""
+        keys = ["frozen_digest", "messenger"]
+        keys += ["client_id", "state_round"] if self.messenger == "personalized" else ["bundle_id"]
+        same_backbone = other.get("backbone", "emu") == self.backbone
+        return same_backbone and all(other.get(k) == getattr(self, k) for k in keys)
+
+
+def resolve_backbone(bundle: Bundle, backbone: str | None) -> str:
+    """``backbone``, or what the bundle's profile deploys (``emu`` for bundles that predate AdapFu)."""
+    backbone = backbone or bundle.manifest.get("deploy_backbone", "emu")
+    if backbone not in BACKBONES:
+        raise ConfigError(f"--backbone must be one of {', '.join(BACKBONES)}, got {backbone!r}")
+    return backbone
+
+
+def personal_messenger(
+    bundle: Bundle, state_dir: str | Path | None, messenger: str = "personalized", backbone: str = "emu"
+) -> tuple[Tensors, Source]:
+    """The messenger LoRA to run: the state's x_K, the bundle's global v, or zeros (the base model's)."""
+    digest = bundle.full_digest if backbone == "full" else bundle.frozen_digest
+    source = Source(bundle.bundle_id, bundle.round, digest, messenger, backbone=backbone)
+    if messenger not in MESSENGERS:
+        raise ConfigError(f"messenger must be one of {', '.join(MESSENGERS)}, got {messenger!r}")
+    v = {k: t.float() for k, t in bundle.messenger_lora().items()}
+    if messenger == "global":
+        return v, source
+    if messenger == "base":
+        return {k: torch.zeros_like(t) for k, t in v.items()}, source
+    if state_dir is None:
+        raise StateError("no --state given: pass the client state folder, or --global for the bundle's messenger")
+    if not Path(state_dir).is_dir():
+        raise StateError(f"{state_dir}: no such state folder (pass the --state that `ciders-edge train` used)")
+    state = ClientState.load(state_dir)
+    if state is None or not state.personalized:
+        raise StateError(f"{state_dir}: no personalized messenger yet (train a round first, or pass --global)")
+    state.check_model(bundle)
+    trained_on = state.frozen_digest or state.bundle_id
+    if backbone == "emu" and trained_on not in (bundle.frozen_digest, bundle.bundle_id):
+        raise StateError(
+            f"{state_dir}: its messenger was trained on bundle {state.bundle_id[:12]} (round {state.round}), "
+            f"whose backbone differs from this bundle's (round {bundle.round}); pass that bundle, "
+            "--backbone full, or --global"
+        )
+    source.client_id, source.state_round = state.client_id, state.round
+    return state.personalized, source
+
+
+def load_backbone(
+    bundle: Bundle, backbone: str, dtype: torch.dtype | None = None, base_model: str | Path | None = None
+) -> EdgeModel:
+    """The bundle's AdapEmu, or AdapFu (full backbone from the bundle or ``base_model``)."""
+    if backbone == "full":
+        return load_adapfu(bundle, dtype, base_model)
+    return load_edge_model(bundle, dtype)
+
+
+def load_personalized(
+    bundle: Bundle,
+    state_dir: str | Path | None,
+    use_global: bool = False,
+    dtype: torch.dtype | None = None,
+    backbone: str = "emu",
+    base_model: str | Path | None = None,
+    messenger: str | None = None,
+) -> tuple[EdgeModel, Source]:
+    """A backbone running the personalized (or global, or base) messenger, LoRA still live."""
+    messenger = messenger or ("global" if use_global else "personalized")
+    x, source = personal_messenger(bundle, state_dir, messenger, backbone)
+    edge = load_backbone(bundle, backbone, dtype, base_model)
+    edge.use_messenger(x)
+    return edge, source
+
+
+def merge_messenger(edge: EdgeModel) -> PreTrainedModel:
+    """Fold the messenger LoRA into dense weights: a plain transformers model, no PEFT at run time.
+
+    Consumes ``edge.model`` (PEFT merges in place).
+    """
+    model = edge.model.merge_and_unload()
+    model.eval()
+    return model

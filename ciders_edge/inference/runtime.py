@@ -1,0 +1,100 @@
+"""Open the personalized model in the runtime a device uses: torch, or ONNX Runtime on an export.
+
+Every runtime yields a model with transformers' ``generate``, so ``infer`` and ``bench`` are one code
+path. The torch runtime merges the messenger LoRA first: decoding then runs dense layers, no PEFT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from ciders_edge.errors import ConfigError, ExportError
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.export_folder import Export
+from ciders_edge.inference.generation import context_length
+from ciders_edge.inference.personalize import load_personalized, merge_messenger, personal_messenger, resolve_backbone
+from ciders_edge.inference.providers import resolve_providers
+from ciders_edge.profiles import DeviceProfile, pick_device
+
+__all__ = ["Runtime", "open_runtime", "RUNTIMES"]
+
+RUNTIMES = ("torch", "onnx")
+
+
+@dataclass
+class Runtime:
+    name: str  # torch, onnx, onnx-int8, ...
+    model: object  # anything with transformers' ``generate``
+    tokenizer: PreTrainedTokenizerBase
+    context: int
+    source: dict  # bundle, messenger (personalized/global), client, round
+    providers: list[str] = field(default_factory=list)
+
+
+def open_runtime(
+    runtime: str | None,
+    *,
+    bundle: str | Path | None = None,
+    state: str | Path | None = None,
+    export: str | Path | None = None,
+    use_global: bool = False,
+    profile: DeviceProfile | None = None,
+    backbone: str | None = None,
+    base_model: str | Path | None = None,
+) -> Runtime:
+    """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export (``None``: the export's).
+
+    ``backbone`` (torch from a bundle): ``emu`` or ``full`` (AdapFu); default, what the bundle deploys.
+    With an export *and* a bundle, the export must have been made from that bundle and state.
+    """
+    exp = Export.load(export) if export is not None else None
+    if runtime is None:  # the export's own runtime, else torch
+        runtime = "onnx" if exp is not None and exp.format == "onnx" else "torch"
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if exp is None:
+        if runtime == "onnx":
+            raise ConfigError("--runtime onnx runs an export: make one with `ciders-edge export`, pass it as --export")
+        if bundle is None:
+            raise ConfigError("pass --bundle (with --state or --global), or --export")
+        b = Bundle.load(bundle)
+        return _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model)
+    if (exp.format == "onnx") != (runtime == "onnx"):
+        wants = "onnx" if exp.format == "onnx" else "torch"
+        raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {wants}")
+    if bundle is not None:
+        b = Bundle.load(bundle)
+        _check_export_source(exp, b, state, use_global, exp.source.get("backbone", "emu"))
+    providers = resolve_providers(profile.execution_providers if profile else []) if runtime == "onnx" else []
+    model = exp.load_model(providers)
+    if runtime == "torch":
+        model.to(pick_device(profile))
+    return Runtime(exp.runtime, model, exp.load_tokenizer(), context_length(model.config), exp.source, providers)
+
+
+def _torch_from_bundle(
+    bundle: Bundle, state, use_global: bool, profile: DeviceProfile | None, backbone: str, base_model
+) -> Runtime:
+    dtype = profile.torch_dtype if profile else None
+    edge, source = load_personalized(bundle, state, use_global, dtype, backbone, base_model)
+    model = merge_messenger(edge).to(pick_device(profile))
+    return Runtime("torch", model, edge.tokenizer, context_length(model.config), source.to_dict())
+
+
+def _check_export_source(exp: Export, bundle: Bundle, state, use_global: bool, backbone: str) -> None:
+    _, source = personal_messenger(bundle, state, "global" if use_global else "personalized", backbone)
+    if not source.same_model(exp.source):
+        raise ExportError(
+            f"{exp.path}: made from {_describe(exp.source)}, but --bundle/--state give "
+            f"{_describe(source.to_dict())}; export again"
+        )
+
+
+def _describe(s: dict) -> str:
+    backbone = f"{'the full' if s.get('backbone') == 'full' else 'the AdapEmu'} backbone {s['frozen_digest'][:12]}"
+    if s["messenger"] == "global":
+        return f"round {s['round']}'s global messenger on {backbone}"
+    return f"client {s['client_id']}'s messenger of round {s['state_round']} on {backbone}"

@@ -1,0 +1,84 @@
+"""Assemble the AdapEmu from a verified bundle: base weights, backbone LoRA merged, messenger LoRA live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from peft import PeftModel, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers.modeling_utils import no_init_weights
+
+from ciders_edge.errors import BundleError
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.model.lora import (
+    BACKBONE,
+    MESSENGER,
+    LoraSettings,
+    attach_lora,
+    copy_into,
+    load_lora_state,
+    lora_parameters,
+    peft_config,
+)
+from ciders_edge.model.split import SplitSpec, shift_layers
+from ciders_edge.profiles import DTYPES
+
+__all__ = ["EdgeModel", "load_edge_model"]
+
+
+@dataclass
+class EdgeModel:
+    """What the edge runtime works with: the AdapEmu, or AdapFu (:mod:`.adapfu`)."""
+
+    model: PeftModel  # the backbone, then the messenger layers with the messenger LoRA as adapter ``messenger``
+    split: SplitSpec  # for AdapFu every backbone layer is kept: the messenger starts at n - a
+    tokenizer: PreTrainedTokenizerBase
+    bundle: Bundle
+    backbone: str = "emu"  # emu (the learnable backbone) | full (AdapFu)
+    messenger_offset: int = 0  # where this model's messenger layers sit relative to the AdapEmu's
+
+    def use_messenger(self, x: dict[str, torch.Tensor]) -> None:
+        """Load messenger LoRA ``x`` (global v or a personalized x_K, keyed as in the AdapEmu)."""
+        copy_into(lora_parameters(self.model, MESSENGER), shift_layers(x, self.messenger_offset))
+
+
+def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None, live_backbone: bool = False) -> EdgeModel:
+    """Build the AdapEmu of ``bundle``: the backbone LoRA is merged (it is frozen on the edge), or
+    kept as a second adapter when the edge must differentiate through it (FedNest's grad_y f_i)."""
+    m = bundle.manifest
+    split = SplitSpec.from_dict(m["split"])
+    config = AutoConfig.from_pretrained(bundle.path)
+    base = instantiate(bundle, config, bundle.base_weights(), dtype or DTYPES[m["dtype"]], "weights")
+    if live_backbone:  # no dropout: the same function as the merged backbone
+        frozen = LoraSettings.from_dict(m["backbone_lora"]).replace(dropout=0.0)
+        model = attach_lora(base, split, LoraSettings.from_dict(m["lora"]), frozen)
+        load_lora_state(model, bundle.backbone_lora(), BACKBONE)
+    else:
+        model = attach_lora(_merge_backbone_lora(base, bundle, split), split, LoraSettings.from_dict(m["lora"]))
+    load_lora_state(model, {k: v.float() for k, v in bundle.messenger_lora().items()}, MESSENGER)
+    tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)
+    return EdgeModel(model.eval(), split, tok, bundle)
+
+
+def instantiate(bundle: Bundle, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, what: str):
+    """The Hugging Face model of ``config`` holding exactly ``weights`` (a tied head may be absent),
+    without the random init it would overwrite; a BundleError names what does not fit."""
+    with no_init_weights():
+        base = AutoModelForCausalLM.from_config(config).to(dtype)
+    missing, unexpected = base.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise BundleError(
+            f"{bundle.path}: {what} do not match its config (missing {missing[:2]}, unexpected {unexpected[:2]})"
+        )
+    base.tie_weights()
+    base.generation_config = GenerationConfig.from_pretrained(bundle.path)
+    return base
+
+
+def _merge_backbone_lora(base, bundle: Bundle, split: SplitSpec):
+    settings = LoraSettings.from_dict(bundle.manifest["backbone_lora"])
+    wrapped = get_peft_model(base, peft_config(base, settings, list(range(split.n_kept))), adapter_name=BACKBONE)
+    load_lora_state(wrapped, bundle.backbone_lora(), BACKBONE)
+    return wrapped.merge_and_unload()

@@ -1,0 +1,49 @@
+"""Model-family differences in one table (after PEFT's target-module mapping).
+
+Every supported family keeps its decoder blocks in ``model.model.layers`` and shares the
+Llama block signature, so the split and the messenger forward need nothing else per family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from ciders_edge.errors import ModelError
+
+__all__ = ["Family", "FAMILIES", "family_of"]
+
+_LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the toolkit needs to know about one architecture family."""
+
+    model_type: str
+    lora_targets: tuple[str, ...] = _LLAMA_TARGETS
+    sliding_window_mask: bool = False  # uses transformers' sliding-window causal mask
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama"),
+        Family("qwen2"),
+        Family("qwen3"),
+        Family("mistral", sliding_window_mask=True),
+    )
+}
+
+
+def family_of(config: PretrainedConfig) -> Family:
+    """Return the family of ``config`` or raise one clear error naming the architecture."""
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        arch = ",".join(getattr(config, "architectures", None) or []) or config.model_type
+        raise ModelError(
+            f"unsupported architecture {arch!r} (model_type {config.model_type!r}); "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return family

@@ -1,0 +1,128 @@
+"""LoRA through PEFT: one adapter on the messenger, another on the learnable backbone.
+
+Both live in one ``PeftModel`` under the names below; the flat ``dict[str, Tensor]`` views use
+PEFT's own state-dict keys, so ``adapter/`` folders load in plain PEFT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import PreTrainedModel
+
+from ciders_edge.config import ConfigMixin
+from ciders_edge.errors import ConfigError
+from ciders_edge.model.families import family_of
+from ciders_edge.model.split import SplitSpec
+
+__all__ = [
+    "LoraSettings",
+    "MESSENGER",
+    "BACKBONE",
+    "attach_lora",
+    "set_trainable",
+    "lora_state",
+    "lora_parameters",
+    "copy_into",
+    "load_lora_state",
+    "peft_config",
+]
+
+MESSENGER = "messenger"
+BACKBONE = "backbone"
+
+
+@dataclass
+class LoraSettings(ConfigMixin):
+    """LoRA hyperparameters (paper defaults)."""
+
+    rank: int = 4
+    alpha: float = 16.0
+    dropout: float = 0.05
+    targets: list[str] = field(default_factory=list)  # empty: the family's default targets
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise ConfigError(f"`rank` must be positive, got {self.rank}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"`dropout` must be in [0, 1), got {self.dropout}.")
+
+
+def peft_config(model: PreTrainedModel, settings: LoraSettings, layers: list[int]) -> LoraConfig:
+    """A PEFT ``LoraConfig`` restricted to the AdapEmu layers ``layers``."""
+    targets = settings.targets or list(family_of(model.config).lora_targets)
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        layers_to_transform=layers,
+        layers_pattern="layers",
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_lora(
+    emu: PreTrainedModel, spec: SplitSpec, messenger: LoraSettings, backbone: LoraSettings | None = None
+) -> PeftModel:
+    """Wrap the AdapEmu with the messenger LoRA (and, on the cloud, the backbone LoRA).
+
+    Both adapters stay active; which one trains is chosen with :func:`set_trainable`.
+    """
+    model = get_peft_model(emu, peft_config(emu, messenger, spec.emu_messenger), adapter_name=MESSENGER)
+    names = [MESSENGER]
+    if backbone is not None:
+        model.add_adapter(BACKBONE, peft_config(emu, backbone, list(range(spec.n_kept))))
+        names.append(BACKBONE)
+    model.base_model.set_adapter(names)
+    set_trainable(model, None)
+    return model
+
+
+def set_trainable(model: PeftModel, adapter: str | None) -> None:
+    """Make only ``adapter``'s LoRA tensors trainable (``None``: nothing trains)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(adapter is not None and f".{adapter}." in name and "lora_" in name)
+
+
+def lora_state(model: PeftModel, adapter: str) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names (detached views, not copies)."""
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name=adapter).items()}
+
+
+def lora_parameters(model: PeftModel, adapter: str) -> dict[str, torch.nn.Parameter]:
+    """The adapter's live parameters keyed like :func:`lora_state`, for optimizers and updates."""
+    params = dict(model.named_parameters())
+    keys = lora_state(model, adapter)
+    out = {}
+    for key in keys:
+        live = key.replace(".lora_A.weight", f".lora_A.{adapter}.weight").replace(
+            ".lora_B.weight", f".lora_B.{adapter}.weight"
+        )
+        out[key] = params[live]
+    return out
+
+
+def copy_into(params: dict[str, torch.nn.Parameter], x: dict[str, torch.Tensor]) -> None:
+    """Write the point ``x`` into live LoRA parameters in place (any device, no graph)."""
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(x[name])
+
+
+def load_lora_state(model: PeftModel, state: dict[str, torch.Tensor], adapter: str) -> None:
+    """Load ``state`` into ``adapter``; every tensor must match by name and shape."""
+    expected = lora_state(model, adapter)
+    if set(expected) != set(state):
+        missing = sorted(set(expected) - set(state))[:2]
+        extra = sorted(set(state) - set(expected))[:2]
+        raise ConfigError(f"{adapter} LoRA tensors do not match the model: missing {missing}, unexpected {extra}")
+    for k, v in state.items():
+        if v.shape != expected[k].shape:
+            raise ConfigError(
+                f"{adapter} LoRA tensor {k} has shape {tuple(v.shape)}, model expects {tuple(expected[k].shape)}"
+            )
+    set_peft_model_state_dict(model, state, adapter_name=adapter)

@@ -1,0 +1,139 @@
+"""Algorithm 1: split a decoder-only LLM into full backbone, learnable backbone and messenger.
+
+The AdapEmu (``P_M ∘ B_L``) is built as an ordinary Hugging Face model of ``n' + a`` layers —
+the kept backbone layers followed by the messenger layers — so every tool that loads a causal
+LM (generation, PEFT, export) works on it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.modeling_utils import no_init_weights
+
+from ciders_edge.errors import ConfigError
+from ciders_edge.model.families import family_of
+
+__all__ = ["SplitSpec", "kept_indices", "build_adapemu", "shift_layers"]
+
+
+def kept_indices(n_backbone: int, beta: float) -> list[int]:
+    """Indices of the learnable backbone's layers: ``floor(j*(n-a-1)/(n'-1))``, j = 0..n'-1."""
+    n_kept = math.floor(beta * n_backbone + 1e-9)
+    if n_kept < 2:
+        raise ConfigError(
+            f"the learnable backbone needs at least 2 layers, got floor({beta}*{n_backbone}) = {n_kept}; "
+            "use a smaller drop ratio or a shallower messenger"
+        )
+    return [math.floor(j * (n_backbone - 1) / (n_kept - 1)) for j in range(n_kept)]
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """How a model of ``n`` layers is split.
+
+    Attributes:
+        n: number of transformer layers of the original model.
+        a: messenger depth (top layers that carry the messenger LoRA).
+        beta: fraction of the ``n - a`` backbone layers kept; ``drop_ratio = 1 - beta``.
+    """
+
+    n: int
+    a: int
+    beta: float
+    kept: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.a < self.n:
+            raise ConfigError(f"messenger depth must be in 1..{self.n - 1} for a {self.n}-layer model, got {self.a}")
+        if not 0.0 < self.beta <= 1.0:
+            raise ConfigError(f"beta must be in (0, 1] (drop ratio in [0, 1)), got beta={self.beta}")
+        object.__setattr__(self, "kept", kept_indices(self.n - self.a, self.beta))
+
+    @classmethod
+    def from_drop_ratio(cls, n: int, a: int, drop_ratio: float) -> SplitSpec:
+        if not 0.0 <= drop_ratio < 1.0:
+            raise ConfigError(f"drop ratio must be in [0, 1), got {drop_ratio}")
+        return cls(n=n, a=a, beta=1.0 - drop_ratio)
+
+    @property
+    def n_kept(self) -> int:
+        return len(self.kept)
+
+    @property
+    def emu_layers(self) -> int:
+        """Layers of the AdapEmu: kept backbone layers, then the messenger."""
+        return self.n_kept + self.a
+
+    @property
+    def messenger_source(self) -> list[int]:
+        """Original indices of the messenger layers."""
+        return list(range(self.n - self.a, self.n))
+
+    @property
+    def emu_messenger(self) -> list[int]:
+        """AdapEmu indices of the messenger layers."""
+        return list(range(self.n_kept, self.emu_layers))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SplitSpec:
+        spec = cls(n=int(d["n"]), a=int(d["a"]), beta=float(d["beta"]))
+        if "kept" in d and list(d["kept"]) != spec.kept:
+            raise ConfigError(f"kept layer indices {d['kept']} do not match n={spec.n}, a={spec.a}, beta={spec.beta}")
+        return spec
+
+
+def emu_layer_source(spec: SplitSpec) -> list[int]:
+    """For each AdapEmu layer, the index of the original layer it copies."""
+    return spec.kept + spec.messenger_source
+
+
+def build_adapemu(model: PreTrainedModel, spec: SplitSpec) -> PreTrainedModel:
+    """Return the AdapEmu ``P_M ∘ B_L`` of ``model`` as a new model (the original is untouched)."""
+    family_of(model.config)
+    if model.config.num_hidden_layers != spec.n:
+        raise ConfigError(f"split is for {spec.n} layers but the model has {model.config.num_hidden_layers}")
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.num_hidden_layers = spec.emu_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [model.config.layer_types[i] for i in emu_layer_source(spec)]
+    with no_init_weights():  # every weight is overwritten below
+        emu = AutoModelForCausalLM.from_config(config).to(model.dtype)
+    missing, unexpected = emu.load_state_dict(_remap(model.state_dict(), emu_layer_source(spec)), strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"AdapEmu assembly mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    emu.tie_weights()
+    emu.generation_config = model.generation_config
+    return emu.eval()
+
+
+def _remap(state: dict[str, torch.Tensor], source: list[int]) -> dict[str, torch.Tensor]:
+    """Rename ``layers.{src}.`` keys to ``layers.{dst}.``; tensors are cloned so nothing is shared."""
+    out = {k: v.clone() for k, v in state.items() if ".layers." not in k}
+    for dst, src in enumerate(source):
+        prefix = f"model.layers.{src}."
+        for k, v in state.items():
+            if k.startswith(prefix):
+                out[f"model.layers.{dst}.{k[len(prefix) :]}"] = v.clone()
+    return out
+
+
+def shift_layers(tensors: dict[str, torch.Tensor], offset: int, first: int = 0) -> dict[str, torch.Tensor]:
+    """Rename ``layers.{i}.`` to ``layers.{i + offset}.`` for every ``i >= first``: the messenger's
+    layers sit at ``n'..n'+a-1`` in the AdapEmu and at ``n-a..n-1`` in AdapFu."""
+
+    def rename(key: str) -> str:
+        head, sep, rest = key.partition("layers.")
+        if not sep:
+            return key
+        index, dot, tail = rest.partition(".")
+        return f"{head}layers.{int(index) + offset}{dot}{tail}" if int(index) >= first else key
+
+    return {rename(k): v for k, v in tensors.items()}

@@ -1,0 +1,53 @@
+"""The edge's part in FedNest and LFedNest: the client loss's gradients at the bundle's point.
+
+In the bilevel view of CIDERS the outer variable x is the messenger LoRA (the clients' loss
+f_i) and the inner one y is the learnable-backbone LoRA (the cloud's TAKD loss g). The
+hypergradient ``grad_x f - grad_xy g [grad_yy g]^-1 grad_y f`` needs ``grad_y f_i``, which only
+the edge can compute: it back-propagates through the backbone, which therefore stays a live
+adapter here instead of being merged. FedNest uploads ``grad_x f_i`` and ``grad_y f_i`` in a
+*probe* packet before the round's training; LFedNest appends ``grad_y f_i`` to its Δc packet.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch.nn.functional as F
+
+from ciders_edge.config import RoundHyperparams
+from ciders_edge.data.records import Example, batch_stream
+from ciders_edge.model.adapemu import EdgeModel
+from ciders_edge.model.forward import backbone_hidden, messenger_logits, response_positions
+from ciders_edge.model.lora import BACKBONE, MESSENGER, lora_parameters
+from ciders_edge.training.equations import Tensors
+
+__all__ = ["client_gradients"]
+
+
+def client_gradients(
+    edge: EdgeModel, examples: list[Example], hp: RoundHyperparams, batches: int, seed: int
+) -> tuple[float, Tensors, Tensors]:
+    """Mean loss, ``grad_x f_i`` and ``grad_y f_i`` over ``batches`` mini-batches, without dropout."""
+    x, y = lora_parameters(edge.model, MESSENGER), lora_parameters(edge.model, BACKBONE)
+    for p in edge.model.parameters():
+        p.requires_grad_(False)
+    for p in (*x.values(), *y.values()):
+        p.requires_grad_(True)
+        p.grad = None
+    edge.model.eval()
+    stream = batch_stream(examples, hp.batch_size, random.Random(seed), edge.tokenizer.pad_token_id)
+    device = next(edge.model.parameters()).device
+    total, n = 0.0, batches * hp.grad_accum
+    for _ in range(n):
+        b = {k: t.to(device) for k, t in next(stream).items()}
+        hidden, ctx = backbone_hidden(edge.model, b["input_ids"], b["attention_mask"], edge.split.n_kept)
+        positions, targets = response_positions(b["labels"])
+        logits = messenger_logits(edge.model, hidden, ctx, edge.split.n_kept, positions)
+        loss = F.cross_entropy(logits.float(), targets) / n
+        loss.backward()
+        total += float(loss.detach())
+    grads = [{k: p.grad.detach().float().cpu().clone() for k, p in d.items()} for d in (x, y)]
+    for p in (*x.values(), *y.values()):
+        p.requires_grad_(False)
+        p.grad = None
+    return total, grads[0], grads[1]
