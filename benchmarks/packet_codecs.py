@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import median, write_results  # noqa: E402
 
 from ciders_edge.formats.packet import CODECS, Packet  # noqa: E402
-from ciders_edge.training.equations import norm, sub  # noqa: E402
+from ciders_edge.tensors import norm, sub  # noqa: E402
 
 
 def main() -> None:

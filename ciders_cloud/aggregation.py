@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ciders_edge.training.equations import (
-    Tensors,
-    add,
-    reconstruct_displacement,  # eq. (11), shared with the edge
-)
+from ciders_edge.tensors import Tensors, add
+from ciders_edge.training.equations import reconstruct_displacement  # eq. (11), shared with the edge
 
 __all__ = ["reconstruct_displacement", "participation_weights", "weighted_sum", "aggregate"]
 

@@ -20,7 +20,7 @@ from ciders_cloud.teacher import CloudModels
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import batch_stream, load_examples
 from ciders_edge.model.lora import BACKBONE, MESSENGER, copy_into, lora_parameters, set_trainable
-from ciders_edge.training.equations import Tensors
+from ciders_edge.tensors import Tensors
 
 __all__ = ["TakdInner", "cloud_indirect_term"]
 

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ciders_edge.training.equations import Tensors, add, norm, scale, sub
+from ciders_edge.tensors import Tensors, add, norm, scale, sub
 
 __all__ = [
     "InnerProblem",

@@ -38,11 +38,11 @@ from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.formats.packet import Packet, consensus_digest
+from ciders_edge.formats.packet import Packet, consensus_digest, read_key_file
 from ciders_edge.profiles import load_profile
-from ciders_edge.training.equations import Tensors, add, norm
+from ciders_edge.tensors import Tensors, add, norm
 from ciders_edge.training.local_steps import mean_lr_multiplier
-from ciders_edge.training.round import PROBE_KIND, read_key
+from ciders_edge.training.round import PROBE_KIND
 
 __all__ = [
     "aggregate_packets",
@@ -76,7 +76,7 @@ def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received
         if not CLIENT_ID.fullmatch(client):
             raise PacketError(f"{where}: client id {client!r} is not a valid id (letters, digits, . _ -)")
         key_file = run_dir / KEYS_DIR / f"{client}.key"
-        key = read_key(key_file) if key_file.is_file() else None
+        key = read_key_file(key_file) if key_file.is_file() else None
         packet = Packet.from_bytes(data, key, where=where)
         out.append(Received(packet, len(data), hashlib.sha256(data).hexdigest(), where))
     return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ciders_cloud.aggregation import aggregate
 from ciders_edge.config import RoundHyperparams, gamma_schedule
 from ciders_edge.errors import ConfigError
-from ciders_edge.training.equations import Tensors
+from ciders_edge.tensors import Tensors
 
 __all__ = ["Strategy", "STRATEGIES", "get_strategy", "round_hyperparams_for"]
 

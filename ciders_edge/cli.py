@@ -15,14 +15,14 @@ from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, run_comman
 from ciders_edge.data.records import read_jsonl
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.packet import read_key_file
 from ciders_edge.inference.generation import GenerationSettings
 from ciders_edge.inference.infer import answer, answer_file
 from ciders_edge.inference.personalize import resolve_backbone
 from ciders_edge.inference.runtime import open_runtime
 from ciders_edge.profiles import GIB, detect_profile, list_profiles, load_profile
 from ciders_edge.progress import LazyBar, console, status
-from ciders_edge.training.round import read_key
-from ciders_edge.training.round import train as train_run
+from ciders_edge.training.train import train as train_run
 
 app = typer.Typer(
     help="CIDERS edge runtime: train the messenger, infer, export, benchmark.",
@@ -146,7 +146,7 @@ def train(
             "batch_size": batch_size,
             "grad_accum": grad_accum,
         }
-        key = read_key(key_file) if key_file else None
+        key = read_key_file(key_file) if key_file else None
         with LazyBar("local steps") as bar:
 
             def on_step(m: dict) -> None:
@@ -164,7 +164,7 @@ def train(
                 key=key,
                 overrides=overrides,
                 on_step=on_step,
-            )
+            ).summary
 
     def render(s: dict) -> None:
         console.print(

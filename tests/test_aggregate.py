@@ -21,7 +21,7 @@ from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import StateError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.packet import Packet
-from ciders_edge.training.round import train
+from ciders_edge.training.train import train
 
 runner = CliRunner()
 

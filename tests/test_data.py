@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from ciders_edge.data.demo import FAMILIES, generate, write_demo_data
+from ciders_edge.data.demo import TASK_FAMILIES, generate, write_demo_data
 from ciders_edge.data.records import IGNORE, collate, encode, load_examples, read_jsonl, to_chat
 from ciders_edge.errors import DataError
 
@@ -65,7 +65,7 @@ def test_collate_pads_right(tokenizer, demo_dir):
 def test_demo_data_is_deterministic_and_checkable(tmp_path):
     assert generate("arithmetic", 5, seed=1) == generate("arithmetic", 5, seed=1)
     assert generate("arithmetic", 5, seed=1) != generate("arithmetic", 5, seed=2)
-    for family in FAMILIES:
+    for family in TASK_FAMILIES:
         for rec in generate(family, 20):
             assert rec["domain"] == family
             assert rec["response"].split("#### ")[-1] == rec["answer"]

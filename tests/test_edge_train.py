@@ -13,7 +13,8 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet
 from ciders_edge.model.adapemu import load_edge_model
-from ciders_edge.training.equations import add, fd_hessian_vector
+from ciders_edge.tensors import add
+from ciders_edge.training.equations import fd_hessian_vector
 from ciders_edge.training.local_steps import local_update
 from ciders_edge.training.objective import MessengerObjective
 from ciders_edge.training.round import round_hyperparams, train_round

@@ -10,9 +10,10 @@ from typer.testing import CliRunner
 from ciders_edge.cli import app as edge_app
 from ciders_edge.data.records import encode
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.inference.evaluate import exact_match_answer, generate_answers, read_eval_records, rouge_l, score
+from ciders_edge.inference.evaluate import exact_match_answer, read_eval_records, rouge_l, score
+from ciders_edge.inference.generation import GenerationSettings, generate_batch
 from ciders_edge.inference.personalize import load_personalized
-from ciders_edge.training.round import train_files
+from ciders_edge.training.train import train
 
 runner = CliRunner()
 
@@ -21,7 +22,7 @@ runner = CliRunner()
 def trained(tiny_run, demo_dir, tmp_path_factory):
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
     root = tmp_path_factory.mktemp("evaluate")
-    train_files(bundle, demo_dir / "dates" / "train.jsonl", root / "state", root / "p.pkt", client_id="d",
+    train(bundle, demo_dir / "dates" / "train.jsonl", root / "state", root / "p.pkt", client_id="d",
                 overrides={"local_steps": 2, "eta": 1e-4})  # fmt: skip
     return bundle, root / "state"
 
@@ -38,7 +39,12 @@ def test_exact_match_and_nll_on_a_hand_made_file(trained, tmp_path):
     bundle, state = trained
     edge, _ = load_personalized(Bundle.load(bundle), state, backbone="emu")
     questions = ["Rewrite 2020-01-02.", "What is 2 + 3?", "Say a word.", "Hello", "Name a colour."]
-    answers = generate_answers(edge, [[{"role": "user", "content": q}] for q in questions], max_new_tokens=6)
+    answers = generate_batch(
+        edge.model,
+        edge.tokenizer,
+        [[{"role": "user", "content": q}] for q in questions],
+        GenerationSettings(max_new_tokens=6),
+    )
     q1, own = next((q, a) for q, a in zip(questions, answers, strict=True) if a.strip())
     q2, other = questions[-1], answers[-1]
     assert other.strip() != "a colour nobody says"  # an own answer that is not blank: a match that means something

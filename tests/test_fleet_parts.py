@@ -25,7 +25,7 @@ from ciders_edge.fleet.protocol import consensus_digest
 from ciders_edge.formats.bundle import MANIFEST, Bundle
 from ciders_edge.formats.checksums import hash_folder, sha256_file
 from ciders_edge.formats.client_state import ClientState
-from ciders_edge.training.round import train
+from ciders_edge.training.train import train
 
 runner = CliRunner()
 

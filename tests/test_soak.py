@@ -19,7 +19,7 @@ from ciders_cloud.lock import run_lock
 from ciders_cloud.rounds import aggregate_files
 from ciders_edge.errors import CidersError, PacketError, StateError
 from ciders_edge.formats.packet import Packet
-from ciders_edge.training.round import train
+from ciders_edge.training.train import train
 
 
 def _hostile(valid: Packet, out) -> dict[str, list[str]]:

@@ -29,7 +29,7 @@ def test_a_simulate_failing_mid_round_leaves_no_out_and_its_rerun_works(demo_dir
     def lost(*args, **kwargs):
         raise PacketError("a packet was lost")
 
-    monkeypatch.setattr(simulate_module, "train_files", lost)  # round 0, after prepare
+    monkeypatch.setattr(simulate_module, "train", lost)  # round 0, after prepare
     with pytest.raises(PacketError, match="lost"):
         simulate(cfg, out)
     assert list(tmp_path.iterdir()) == []  # neither --out nor a staging folder

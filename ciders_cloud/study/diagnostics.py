@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ciders_edge.training.equations import Tensors
+from ciders_edge.tensors import Tensors
 
 __all__ = ["psi", "flatten", "decompose", "client_diagnostics"]
 

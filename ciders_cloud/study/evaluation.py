@@ -14,12 +14,11 @@ from ciders_edge.formats.client_state import ClientState
 from ciders_edge.inference.evaluate import (
     backbone_batches,
     exact_match_answer,
-    generate_answers,
     messenger_nll,
     perplexity,
     rouge_l,
-    use_messenger,
 )
+from ciders_edge.inference.generation import GenerationSettings, generate_batch
 from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.model.adapfu import load_adapfu
 from ciders_edge.progress import progress_bar
@@ -105,10 +104,10 @@ def _adapfu_nll(bundle: Bundle, out: Path, ids: list[str], cfg) -> dict[str, dic
     out_ = {}
     for cid in ids:
         batches = backbone_batches(edge, _eval_examples(out, cid, edge.tokenizer, cfg))
-        use_messenger(edge, v)
+        edge.use_messenger(v)
         nll_global = messenger_nll(edge, batches)
         state = ClientState.load(out / "clients" / cid)
-        use_messenger(edge, state.personalized if state is not None and state.personalized else v)
+        edge.use_messenger(state.personalized if state is not None and state.personalized else v)
         out_[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
     return out_
 
@@ -119,9 +118,9 @@ def _client_record(
     """One client's scores, and its matrix row: its personalized messenger on every client's data."""
     state = ClientState.load(out / "clients" / cid)
     personal = state.personalized if state is not None and state.personalized else v
-    use_messenger(edge, v)
+    edge.use_messenger(v)
     nll_global = messenger_nll(edge, evals[cid])
-    use_messenger(edge, personal)
+    edge.use_messenger(personal)
     row = [messenger_nll(edge, evals[other]) for other in ids]
     nll_personal = row[ids.index(cid)]
     rouge, em = _generation_scores(edge, out / "data" / cid / "eval.jsonl", cfg.eval_generate)
@@ -141,7 +140,9 @@ def _generation_scores(edge: EdgeModel, path: Path, n: int) -> tuple[float | Non
         return None, None
     rows = read_jsonl(path)[:n]
     chats = [to_chat(r) for r in rows]
-    answers = generate_answers(edge, [prompt for prompt, _ in chats])
+    answers = generate_batch(
+        edge.model, edge.tokenizer, [prompt for prompt, _ in chats], GenerationSettings(max_new_tokens=48)
+    )
     refs = [str(r.get("answer", resp)) for r, (_, resp) in zip(rows, chats, strict=True)]
     rouge = mean(rouge_l(a, resp) for a, (_, resp) in zip(answers, chats, strict=True))
     em = mean(float(exact_match_answer(a) == exact_match_answer(ref)) for a, ref in zip(answers, refs, strict=True))

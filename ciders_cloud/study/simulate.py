@@ -1,6 +1,6 @@
 """``ciders-cloud simulate``: the cloud and N edges in one process, through the same code as the CLIs.
 
-Each round, every sampled client runs :func:`ciders_edge.training.round.train_files` (``ciders-edge train``)
+Each round, every sampled client runs :func:`ciders_edge.training.train.train` (``ciders-edge train``)
 on its own data and state folder and writes a real packet; the cloud runs
 :func:`ciders_cloud.rounds.aggregate_files` (``ciders-cloud aggregate``) on those packets. The
 algorithm is the run's strategy; diagnostics and evaluations go to ``RUN/metrics.jsonl``.
@@ -40,7 +40,7 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.packet import CODECS
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
-from ciders_edge.training.round import probe_files, train_files
+from ciders_edge.training.train import probe, train
 
 __all__ = ["SimConfig", "simulate", "prepare_study", "METRICS"]
 
@@ -149,11 +149,11 @@ def _run_rounds(cfg: SimConfig, out: Path, ids: list[str], domains: dict[str, st
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
         bundle = bundle_path(run_dir, cfg.profile, t)
         probe = _probe(run_dir, out, t, bundle, participants, cfg) if strategy.probes else {}
-        packets, outputs, summaries = [], {}, {}
+        packets, outputs = [], {}
         for cid in participants:
             console.print(f"[bold]round {t}[/] {cid} ({strategy.name})")
             packet = out / "packets" / f"round-{t:04d}" / f"{cid}.pkt"
-            summaries[cid], outputs[cid] = train_files(
+            outputs[cid] = train(
                 bundle,
                 out / "data" / cid / "train.jsonl",
                 out / "clients" / cid,
@@ -174,7 +174,7 @@ def _run_rounds(cfg: SimConfig, out: Path, ids: list[str], domains: dict[str, st
         wall = time.perf_counter() - started
         probe_up, probe_down = probe.get("bytes_up", {}), probe.get("bytes_down", 0)
         records = [
-            _client_record(t, cid, hp, summaries[cid], diag[cid], down + probe_down, probe_up.get(cid, 0))
+            _client_record(t, cid, hp, outputs[cid].summary, diag[cid], down + probe_down, probe_up.get(cid, 0))
             for cid in participants
         ]
         records.append(
@@ -255,7 +255,7 @@ def _probe(run_dir: Path, out: Path, t: int, bundle: Path, ids: list[str], cfg: 
         console.print(f"[bold]round {t}[/] {cid} probe")
         path = out / "packets" / f"round-{t:04d}" / f"{cid}.probe.pkt"
         data, state = out / "data" / cid / "train.jsonl", out / "clients" / cid
-        probe_files(bundle, data, state, path, client_id=cid, profile=cfg.profile)
+        probe(bundle, data, state, path, client_id=cid, profile=cfg.profile)
         paths.append(path)
     summary = hypergradient_packets(run_dir, [(str(p), p.read_bytes()) for p in paths])
     return {**summary, "h": load_file(summary["path"])}

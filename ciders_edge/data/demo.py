@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ciders_edge.formats.atomic import write_bytes
 
-__all__ = ["FAMILIES", "generate", "write_demo_data"]
+__all__ = ["TASK_FAMILIES", "generate", "write_demo_data"]
 
 _NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jun"]
 _ITEMS = ["apples", "books", "coins", "pencils", "stamps", "marbles", "cookies", "tickets"]
@@ -79,7 +79,7 @@ def _code(r: random.Random) -> dict:
     return {"instruction": q, "response": ans, "answer": ans}
 
 
-FAMILIES: dict[str, Callable[[random.Random], dict]] = {
+TASK_FAMILIES: dict[str, Callable[[random.Random], dict]] = {
     "arithmetic": _arithmetic,
     "units": _units,
     "dates": _dates,
@@ -91,7 +91,7 @@ FAMILIES: dict[str, Callable[[random.Random], dict]] = {
 def generate(family: str, n: int, seed: int = 0) -> list[dict]:
     """``n`` records of one family, deterministic in ``seed``."""
     r = random.Random(f"{family}:{seed}")
-    return [{**FAMILIES[family](r), "input": "", "domain": family} for _ in range(n)]
+    return [{**TASK_FAMILIES[family](r), "input": "", "domain": family} for _ in range(n)]
 
 
 def write_demo_data(
@@ -103,7 +103,7 @@ def write_demo_data(
     """
     out = Path(out)
     paths, public = {}, []
-    for i, family in enumerate(FAMILIES):
+    for i, family in enumerate(TASK_FAMILIES):
         for j, (split, n) in enumerate((("train", n_train), ("public", n_public), ("eval", n_eval))):
             rows = generate(family, n, seed=seed * 1000 + i * 10 + j)
             paths[f"{family}/{split}"] = _write(out / family / f"{split}.jsonl", rows)

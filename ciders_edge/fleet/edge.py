@@ -18,6 +18,7 @@ from pathlib import Path
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.bundle_sync import held_files, install_bundle
 from ciders_edge.fleet.protocol import consensus_digest
+from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 
 __all__ = ["EdgeConfig", "settle", "sync", "train", "PENDING", "BUNDLE"]
@@ -96,14 +97,13 @@ def train(
 ) -> tuple[bytes, dict]:
     """One round: rebuild and verify the bundle, train (``ciders-edge train``'s code), keep the new
     state pending; returns the packet and the training summary."""
-    from ciders_edge.training.round import append_metrics, read_key, train_bundle  # transformers: only when training
+    from ciders_edge.formats.packet import read_key_file
+    from ciders_edge.training.round import run_round  # transformers: only when training
 
     state = settle(cfg.state, client_id, cloud_digest, cloud_round)
     bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
-    key = read_key(cfg.key) if cfg.key is not None else None
-    summary, out = train_bundle(
-        bundle, cfg.data, state, client_id=client_id, profile=cfg.profile, codec=cfg.codec, key=key
-    )
+    key = read_key_file(cfg.key) if cfg.key is not None else None
+    out = run_round(bundle, cfg.data, state, client_id=client_id, profile=cfg.profile, codec=cfg.codec, key=key)
     out.state.save(cfg.state / PENDING)
-    append_metrics(cfg.state / METRICS_LOG, bundle.round, out.result.steps)
-    return out.packet_bytes, summary
+    append_jsonl(cfg.state / METRICS_LOG, [{"round": bundle.round, **s} for s in out.result.steps])
+    return out.packet_bytes, out.summary

@@ -16,6 +16,8 @@ from safetensors.torch import save
 __all__ = [
     "write_bytes",
     "write_json",
+    "write_jsonl",
+    "append_jsonl",
     "write_safetensors",
     "replace_dir",
     "recover_dir",
@@ -84,6 +86,22 @@ def write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
 def write_json(path: str | Path, obj: object) -> None:
     """Write ``obj`` as indented, key-sorted JSON atomically."""
     write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Write ``rows`` as a JSON Lines file atomically (one object per line)."""
+    write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def append_jsonl(path: str | Path, records: list[dict]) -> None:
+    """Append ``records`` to a JSON Lines log and fsync it: logs are the record of a run, so a line
+    the caller saw written survives a power cut. Creates the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_safetensors(

@@ -14,7 +14,7 @@ from ciders_edge.errors import StateError
 from ciders_edge.formats.atomic import recover_dir
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.statedir import INT, STR, Field, list_of, load_state_dir, optional, save_state_dir
-from ciders_edge.training.equations import Tensors
+from ciders_edge.tensors import Tensors
 
 __all__ = ["ClientState", "METRICS_LOG"]
 

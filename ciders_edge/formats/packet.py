@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import zstandard
 
-from ciders_edge.errors import PacketError
+from ciders_edge.errors import ConfigError, PacketError
 from ciders_edge.formats.atomic import write_bytes
-from ciders_edge.training.equations import Tensors
+from ciders_edge.tensors import Tensors
 
 __all__ = ["Packet", "CODECS", "MAGIC", "consensus_digest"]
 
@@ -290,3 +290,13 @@ def _decode(buf: bytes, spec: dict, codec: str) -> torch.Tensor:
     if codec == "bf16":
         return torch.from_numpy(arr.astype(np.int16)).view(torch.bfloat16).float()
     return torch.from_numpy(arr.astype(np.float32)) * float(spec["scale"])
+
+
+def read_key_file(path: Path) -> bytes:
+    """A client key file: its bytes, stripped of surrounding whitespace; at least 16 bytes."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such key file")
+    key = path.read_bytes().strip()
+    if len(key) < 16:
+        raise ConfigError(f"{path}: a client key needs at least 16 bytes, got {len(key)}")
+    return key

@@ -13,25 +13,21 @@ from pathlib import Path
 from statistics import mean
 
 import torch
-import torch.nn.functional as F
 
 from ciders_edge.data.records import Example, collate, encode, read_jsonl, to_chat, to_prompt
 from ciders_edge.errors import DataError
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.inference.generation import GenerationSettings, context_length, encode_prompt
+from ciders_edge.inference.generation import ANSWER_BATCH, GenerationSettings, generate_batch
 from ciders_edge.model.adapemu import EdgeModel
-from ciders_edge.model.forward import backbone_hidden, messenger_logits, response_positions
-from ciders_edge.training.equations import Tensors
+from ciders_edge.model.forward import BackboneBatch, messenger_loss, run_backbone
 
 __all__ = [
-    "use_messenger",
     "backbone_batches",
     "messenger_nll",
     "response_nll",
     "perplexity",
     "rouge_l",
     "exact_match_answer",
-    "generate_answers",
     "EvalRecord",
     "Scores",
     "read_eval_records",
@@ -40,24 +36,8 @@ __all__ = [
     "COMPARE",
 ]
 
-ANSWER_BATCH = 16  # prompts answered together when scoring a file
 # ``evaluate --compare``: where the user started, what the federation gives, what personalization gives
 COMPARE = (("full", "base"), ("emu", "global"), ("emu", "personalized"), ("full", "personalized"))
-
-
-def use_messenger(edge: EdgeModel, x: Tensors) -> None:
-    """Load messenger LoRA ``x`` (global v or a personalized x_K) into the model."""
-    edge.use_messenger(x)
-
-
-@dataclass
-class BackboneBatch:
-    """One batch run through the frozen backbone: what every messenger is scored on."""
-
-    hidden: torch.Tensor
-    ctx: object
-    positions: torch.Tensor
-    targets: torch.Tensor
 
 
 @torch.no_grad()
@@ -65,14 +45,11 @@ def backbone_batches(edge: EdgeModel, examples: list[Example], batch_size: int =
     """Run ``examples`` through the backbone once; scoring several messengers on them (a cross-domain
     NLL matrix) then costs only messenger passes."""
     edge.model.eval()
-    device = next(edge.model.parameters()).device
-    out = []
-    for i in range(0, len(examples), batch_size):
-        b = {k: t.to(device) for k, t in collate(examples[i : i + batch_size], edge.tokenizer.pad_token_id).items()}
-        h, ctx = backbone_hidden(edge.model, b["input_ids"], b["attention_mask"], edge.split.n_kept)
-        positions, targets = response_positions(b["labels"])
-        out.append(BackboneBatch(h, ctx, positions, targets))
-    return out
+    pad = edge.tokenizer.pad_token_id
+    return [
+        run_backbone(edge.model, collate(examples[i : i + batch_size], pad), edge.split.n_kept)
+        for i in range(0, len(examples), batch_size)
+    ]
 
 
 @torch.no_grad()
@@ -81,8 +58,7 @@ def messenger_nll(edge: EdgeModel, batches: list[BackboneBatch]) -> float:
     edge.model.eval()
     total, count = 0.0, 0
     for b in batches:
-        logits = messenger_logits(edge.model, b.hidden, b.ctx, edge.split.n_kept, b.positions)
-        total += float(F.cross_entropy(logits.float(), b.targets, reduction="sum"))
+        total += float(messenger_loss(edge.model, b, edge.split.n_kept, reduction="sum"))
         count += b.targets.numel()
     return total / max(count, 1)
 
@@ -119,33 +95,6 @@ def exact_match_answer(text: str) -> str:
     if "####" in text:
         return text.split("####")[-1].strip().replace(",", "")
     return text.strip()
-
-
-@torch.no_grad()
-def generate_answers(
-    edge: EdgeModel, prompts: list[list[dict]], max_new_tokens: int = 48, batch_size: int = ANSWER_BATCH
-) -> list[str]:
-    """Greedy answers to chat prompts, ``batch_size`` at a time (left-padded): scoring a file is
-    offline work, and a batch decodes several times faster than one prompt after another on a CPU."""
-    edge.model.eval()
-    tok, context = edge.tokenizer, context_length(edge.model.config)
-    device = next(edge.model.parameters()).device
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        rows = [encode_prompt(tok, p, context, max_new_tokens)[0] for p in prompts[i : i + batch_size]]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for j, r in enumerate(rows):
-            ids[j, width - len(r) :], mask[j, width - len(r) :] = r, 1
-        gen = edge.model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            pad_token_id=tok.pad_token_id,
-            **GenerationSettings(max_new_tokens=max_new_tokens).generate_kwargs(),
-        )
-        out += [tok.decode(g[width:], skip_special_tokens=True) for g in gen]
-    return out
 
 
 @dataclass
@@ -199,10 +148,13 @@ def score(edge: EdgeModel, records: list[EvalRecord], max_new_tokens: int = 64, 
     examples = [r.example for r in records if r.example is not None]
     nll = response_nll(edge, examples) if examples else None
     em, rouge = [], []
+    settings = GenerationSettings(max_new_tokens=max_new_tokens)
     to_answer = [r for r in records if r.answer is not None or r.reference is not None]
     for i in range(0, len(to_answer), ANSWER_BATCH):
         chunk = to_answer[i : i + ANSWER_BATCH]
-        for r, text in zip(chunk, generate_answers(edge, [r.prompt for r in chunk], max_new_tokens), strict=True):
+        for r, text in zip(
+            chunk, generate_batch(edge.model, edge.tokenizer, [r.prompt for r in chunk], settings), strict=True
+        ):
             if r.answer is not None:
                 em.append(float(exact_match_answer(text) == exact_match_answer(r.answer)))
             if r.reference is not None:

@@ -16,7 +16,17 @@ from transformers import PreTrainedTokenizerBase, TextStreamer
 from ciders_edge.config import ConfigMixin
 from ciders_edge.errors import ConfigError, DataError
 
-__all__ = ["GenerationSettings", "Generation", "chat_ids", "encode_prompt", "generate", "context_length"]
+__all__ = [
+    "GenerationSettings",
+    "Generation",
+    "chat_ids",
+    "encode_prompt",
+    "generate",
+    "generate_batch",
+    "context_length",
+]
+
+ANSWER_BATCH = 16  # prompts answered together when scoring a file
 
 
 @dataclass
@@ -113,19 +123,48 @@ def generate(
 ) -> Generation:
     """Generate one answer (batch 1, as on a device); ``on_text`` receives it as it is decoded."""
     streamer = _TimedStreamer(tokenizer, on_text)
-    input_ids = input_ids.to(model.device)
-    torch.manual_seed(settings.seed)
     start = time.perf_counter()
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        pad_token_id=tokenizer.pad_token_id,
-        streamer=streamer,
-        **settings.generate_kwargs(),
-    )
+    out = _generate(model, tokenizer, input_ids, torch.ones_like(input_ids), settings, streamer)
     total = time.perf_counter() - start
     new = out[0, input_ids.shape[1] :]
     first = (streamer.first_token_at or start + total) - start
     return Generation(
         tokenizer.decode(new, skip_special_tokens=True), input_ids.shape[1], int(new.numel()), first, total
+    )
+
+
+@torch.no_grad()
+def generate_batch(
+    model,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[dict]],
+    settings: GenerationSettings,
+    batch_size: int = ANSWER_BATCH,
+) -> list[str]:
+    """Answers to chat prompts, ``batch_size`` at a time (left-padded): scoring a file is offline
+    work, and a batch decodes several times faster than one prompt after another on a CPU."""
+    model.eval()
+    context = context_length(model.config)
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        rows = [encode_prompt(tokenizer, p, context, settings.max_new_tokens)[0] for p in prompts[i : i + batch_size]]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(rows):
+            ids[j, width - len(r) :], mask[j, width - len(r) :] = r, 1
+        gen = _generate(model, tokenizer, ids, mask, settings)
+        out += [tokenizer.decode(g[width:], skip_special_tokens=True) for g in gen]
+    return out
+
+
+def _generate(model, tokenizer, ids: torch.Tensor, mask: torch.Tensor, settings: GenerationSettings, streamer=None):
+    """The one call into transformers' ``generate``, for every runtime and batch size."""
+    torch.manual_seed(settings.seed)
+    return model.generate(
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        pad_token_id=tokenizer.pad_token_id,
+        streamer=streamer,
+        **settings.generate_kwargs(),
     )

@@ -20,7 +20,7 @@ from ciders_edge.formats.client_state import ClientState
 from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.model.adapfu import load_adapfu
 from ciders_edge.profiles import BACKBONES
-from ciders_edge.training.equations import Tensors
+from ciders_edge.tensors import Tensors
 
 __all__ = [
     "Source",

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from ciders_edge.errors import ModelError
 
-__all__ = ["Family", "FAMILIES", "family_of"]
+__all__ = ["Family", "MODEL_FAMILIES", "family_of"]
 
 _LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -26,7 +26,7 @@ class Family:
     sliding_window_mask: bool = False  # uses transformers' sliding-window causal mask
 
 
-FAMILIES: dict[str, Family] = {
+MODEL_FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
         Family("llama"),
@@ -39,11 +39,11 @@ FAMILIES: dict[str, Family] = {
 
 def family_of(config: PretrainedConfig) -> Family:
     """Return the family of ``config`` or raise one clear error naming the architecture."""
-    family = FAMILIES.get(config.model_type)
+    family = MODEL_FAMILIES.get(config.model_type)
     if family is None:
         arch = ",".join(getattr(config, "architectures", None) or []) or config.model_type
         raise ModelError(
             f"unsupported architecture {arch!r} (model_type {config.model_type!r}); "
-            f"supported: {', '.join(sorted(FAMILIES))}"
+            f"supported: {', '.join(sorted(MODEL_FAMILIES))}"
         )
     return family

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -24,6 +25,9 @@ __all__ = [
     "run_layers",
     "layer_outputs",
     "response_positions",
+    "BackboneBatch",
+    "run_backbone",
+    "messenger_loss",
 ]
 
 
@@ -122,3 +126,31 @@ def response_positions(labels: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
     targets = labels[:, 1:]
     b, t = torch.nonzero(targets != -100, as_tuple=True)
     return (b, t), targets[b, t]
+
+
+@dataclass
+class BackboneBatch:
+    """A batch after the frozen backbone: every messenger pass on it (the local update's several
+    gradients, or scoring several messengers) starts here instead of re-running the backbone."""
+
+    hidden: Tensor  # (B, T, H) entering the messenger
+    ctx: Context
+    positions: tuple[Tensor, Tensor]  # where the next token is a response token
+    targets: Tensor  # (N,) those tokens
+
+
+def run_backbone(model: torch.nn.Module, batch: dict[str, Tensor], n_kept: int) -> BackboneBatch:
+    """The backbone half of the AdapEmu on a collated batch (``input_ids``, ``attention_mask``,
+    ``labels``), moved to the model's device. Callers choose ``no_grad`` (training, scoring) or not
+    (FedNest's gradient through the backbone LoRA)."""
+    device = next(model.parameters()).device
+    b = {k: t.to(device) for k, t in batch.items()}
+    hidden, ctx = backbone_hidden(model, b["input_ids"], b["attention_mask"], n_kept)
+    positions, targets = response_positions(b["labels"])
+    return BackboneBatch(hidden, ctx, positions, targets)
+
+
+def messenger_loss(model: torch.nn.Module, bb: BackboneBatch, n_kept: int, reduction: str = "mean") -> Tensor:
+    """Response-token cross-entropy of the messenger now loaded, from a backbone batch (eq. 4's L_i)."""
+    logits = messenger_logits(model, bb.hidden, bb.ctx, n_kept, bb.positions)
+    return F.cross_entropy(logits.float(), bb.targets, reduction=reduction)

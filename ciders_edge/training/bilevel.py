@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import random
 
-import torch.nn.functional as F
-
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import Example, batch_stream
 from ciders_edge.model.adapemu import EdgeModel
-from ciders_edge.model.forward import backbone_hidden, messenger_logits, response_positions
+from ciders_edge.model.forward import messenger_loss, run_backbone
 from ciders_edge.model.lora import BACKBONE, MESSENGER, lora_parameters
-from ciders_edge.training.equations import Tensors
+from ciders_edge.tensors import Tensors
 
 __all__ = ["client_gradients"]
 
@@ -36,14 +34,10 @@ def client_gradients(
         p.grad = None
     edge.model.eval()
     stream = batch_stream(examples, hp.batch_size, random.Random(seed), edge.tokenizer.pad_token_id)
-    device = next(edge.model.parameters()).device
     total, n = 0.0, batches * hp.grad_accum
     for _ in range(n):
-        b = {k: t.to(device) for k, t in next(stream).items()}
-        hidden, ctx = backbone_hidden(edge.model, b["input_ids"], b["attention_mask"], edge.split.n_kept)
-        positions, targets = response_positions(b["labels"])
-        logits = messenger_logits(edge.model, hidden, ctx, edge.split.n_kept, positions)
-        loss = F.cross_entropy(logits.float(), targets) / n
+        bb = run_backbone(edge.model, next(stream), edge.split.n_kept)  # with a graph: grad_y flows through it
+        loss = messenger_loss(edge.model, bb, edge.split.n_kept) / n
         loss.backward()
         total += float(loss.detach())
     grads = [{k: p.grad.detach().float().cpu().clone() for k, p in d.items()} for d in (x, y)]

@@ -6,15 +6,9 @@ all share one set of tensor names. Nothing here mutates its inputs, moves device
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from ciders_edge.tensors import Tensors, add, scale, sub
 
 __all__ = [
-    "Tensors",
-    "add",
-    "sub",
-    "scale",
-    "norm",
     "look_ahead",
     "fd_hessian_vector",
     "fd_surrogate",
@@ -24,26 +18,6 @@ __all__ = [
     "delta_c",
     "reconstruct_displacement",
 ]
-
-Tensors = dict[str, Tensor]
-
-
-def add(a: Tensors, b: Tensors, alpha: float = 1.0) -> Tensors:
-    """``a + alpha * b``."""
-    return {k: a[k] + alpha * b[k] for k in a}
-
-
-def sub(a: Tensors, b: Tensors) -> Tensors:
-    return {k: a[k] - b[k] for k in a}
-
-
-def scale(a: Tensors, s: float) -> Tensors:
-    return {k: s * a[k] for k in a}
-
-
-def norm(a: Tensors) -> float:
-    """Global L2 norm over every tensor (computed in float64)."""
-    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in a.values())))
 
 
 def look_ahead(x: Tensors, g0: Tensors, eta_in: float) -> Tensors:

@@ -15,17 +15,14 @@ import torch
 
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
+from ciders_edge.tensors import Tensors, add, norm, sub
 from ciders_edge.training.equations import (
-    Tensors,
-    add,
     consensus_update,
     delta_c,
     displacement,
     fd_hessian_vector,
     fd_surrogate,
     look_ahead,
-    norm,
-    sub,
     trajectory_gradient,
 )
 

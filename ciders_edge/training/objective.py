@@ -11,28 +11,19 @@ import random
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ciders_edge.data.records import Example, batch_stream
 from ciders_edge.model.adapemu import EdgeModel
-from ciders_edge.model.forward import Context, backbone_hidden, messenger_logits, response_positions
+from ciders_edge.model.forward import BackboneBatch, messenger_loss, run_backbone
 from ciders_edge.model.lora import MESSENGER, copy_into, lora_parameters
-from ciders_edge.training.equations import Tensors
+from ciders_edge.tensors import Tensors
 
-__all__ = ["MessengerObjective", "MicroBatch"]
-
-
-@dataclass
-class MicroBatch:
-    hidden: torch.Tensor  # (B, T, H) entering the messenger, no graph
-    ctx: Context
-    positions: tuple[torch.Tensor, torch.Tensor]
-    targets: torch.Tensor  # (N,)
+__all__ = ["MessengerObjective", "Batch"]
 
 
 @dataclass
 class Batch:
-    micro: list[MicroBatch]
+    micro: list[BackboneBatch]  # grad_accum micro-batches
     seed: int  # dropout masks are drawn from this, identically for every pass on the batch
 
 
@@ -55,13 +46,8 @@ class MessengerObjective:
     def batch(self) -> Batch:
         micro = []
         for _ in range(self.grad_accum):
-            b = {k: t.to(self.device) for k, t in next(self.stream).items()}
             with torch.no_grad():
-                hidden, ctx = backbone_hidden(
-                    self.edge.model, b["input_ids"], b["attention_mask"], self.edge.split.n_kept
-                )
-            positions, targets = response_positions(b["labels"])
-            micro.append(MicroBatch(hidden, ctx, positions, targets))
+                micro.append(run_backbone(self.edge.model, next(self.stream), self.edge.split.n_kept))
         return Batch(micro, self.rng.getrandbits(63))
 
     def gradient(self, x: Tensors, batch: Batch) -> tuple[float, Tensors]:
@@ -77,9 +63,8 @@ class MessengerObjective:
                 total += float(loss.detach())
         return total, {name: p.grad.detach().to(x[name].device, copy=True) for name, p in self.params.items()}
 
-    def loss(self, mb: MicroBatch) -> torch.Tensor:
-        logits = messenger_logits(self.edge.model, mb.hidden, mb.ctx, self.edge.split.n_kept, mb.positions)
-        return F.cross_entropy(logits.float(), mb.targets)
+    def loss(self, mb: BackboneBatch) -> torch.Tensor:
+        return messenger_loss(self.edge.model, mb, self.edge.split.n_kept)
 
     def load(self, x: Tensors) -> None:
         """Leave the model holding messenger ``x`` (e.g. the personalized one after training)."""

@@ -1,48 +1,37 @@
-"""``ciders-edge train``: one round of the CIDERS edge update on a bundle, ending in a Δc packet.
+"""One round of the CIDERS edge update, in memory: K local steps on the AdapEmu, then the Δc packet.
 
-:func:`train_round` is the I/O-free core that ``simulate`` and the Flower client call too;
-:func:`train` adds the files: bundle, data, state folder, packet.
+:func:`train_round` is the algorithm's round (DESIGN §2) on a loaded model and data;
+:func:`run_round` loads the bundle's AdapEmu and the data on the profile's device and calls it.
+Neither writes a file: :func:`ciders_edge.training.train.train` writes the packet and the state,
+the Flower edge sends the packet over the network.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import Example, load_examples
-from ciders_edge.errors import ConfigError, PacketError, StateError
-from ciders_edge.formats.atomic import write_bytes
+from ciders_edge.errors import PacketError, StateError
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.formats.client_state import METRICS_LOG, ClientState
+from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet, consensus_digest
 from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.profiles import DeviceProfile, load_profile, pick_device
+from ciders_edge.tensors import Tensors, add, norm
 from ciders_edge.training.bilevel import client_gradients
-from ciders_edge.training.equations import Tensors, add, norm, reconstruct_displacement
+from ciders_edge.training.equations import reconstruct_displacement
 from ciders_edge.training.local_steps import LocalResult, local_update
 from ciders_edge.training.objective import MessengerObjective
 
 PROBE_KIND = "gradients"  # metrics["kind"] of FedNest's probe packet
 
-__all__ = [
-    "RoundOutput",
-    "train_round",
-    "train",
-    "train_files",
-    "train_bundle",
-    "probe_files",
-    "PROBE_KIND",
-    "round_hyperparams",
-    "read_key",
-    "append_metrics",
-]
+__all__ = ["RoundOutput", "train_round", "run_round", "load_round", "check_state", "round_hyperparams", "PROBE_KIND"]
 
 
 @dataclass
@@ -52,6 +41,7 @@ class RoundOutput:
     state: ClientState  # advanced by the decoded increment
     result: LocalResult
     delta_sent: dict  # the displacement the cloud reconstructs from the decoded packet (eq. 11)
+    summary: dict = field(default_factory=dict)  # what ``ciders-edge train --json`` prints
 
 
 def round_hyperparams(bundle: Bundle, profile: DeviceProfile | None, overrides: dict) -> RoundHyperparams:
@@ -107,9 +97,11 @@ def train_round(
         torch.set_rng_state(state.rng)
     grad_y = {}
     if hp.send_grad_y:  # LFedNest: at the bundle's point, before training moves the messenger
-        probe_seed = _seed(seed, f"probe:{client_id}", bundle.round)
+        probe_seed = round_seed(seed, f"probe:{client_id}", bundle.round)
         grad_y = client_gradients(edge, examples, hp, hp.probe_batches, probe_seed)[2]
-    objective = MessengerObjective(edge, examples, hp.batch_size, hp.grad_accum, _seed(seed, client_id, bundle.round))
+    objective = MessengerObjective(
+        edge, examples, hp.batch_size, hp.grad_accum, round_seed(seed, client_id, bundle.round)
+    )
     x0 = state.personalized if hp.start_from == "personalized" and state.personalized else v
     result = local_update(v, c, state.c_i, objective, hp, on_step, x0=x0, control=control)
     _check_finite(result)
@@ -150,35 +142,7 @@ def train_round(
     return RoundOutput(packet, data, new_state, result, delta_sent)
 
 
-def train(bundle: str | Path, data: str | Path, state_dir: str | Path, out: str | Path, **kwargs) -> dict:
-    """Train one round from files and write the packet, then the state (each atomically); returns a summary."""
-    return train_files(bundle, data, state_dir, out, **kwargs)[0]
-
-
-def train_files(
-    bundle: str | Path,
-    data: str | Path,
-    state_dir: str | Path,
-    out: str | Path,
-    *,
-    client_id: str | None = None,
-    **kwargs,
-) -> tuple[dict, RoundOutput]:
-    """:func:`train` that also returns the in-memory round output (``simulate`` reads its tensors)."""
-    b = Bundle.load(bundle)
-    state = ClientState.load(state_dir)
-    check_state(state, b)
-    if state is not None and client_id is not None and client_id != state.client_id:
-        raise ConfigError(f"--client-id {client_id!r} differs from the state's {state.client_id!r}")
-    cid = state.client_id if state is not None else client_id or os.uname().nodename
-    summary, out_round = train_bundle(b, data, state, client_id=cid, **kwargs)
-    write_bytes(out, out_round.packet_bytes)
-    out_round.state.save(state_dir)
-    append_metrics(Path(state_dir) / METRICS_LOG, b.round, out_round.result.steps)
-    return {**summary, "packet": str(out), "state": str(state_dir)}, out_round
-
-
-def train_bundle(
+def run_round(
     b: Bundle,
     data: str | Path,
     state: ClientState | None,
@@ -190,16 +154,15 @@ def train_bundle(
     overrides: dict | None = None,
     on_step: Callable[[dict], None] | None = None,
     hypergradient: Tensors | None = None,
-) -> tuple[dict, RoundOutput]:
-    """Load the bundle's AdapEmu and the data, run :func:`train_round`; writes nothing (the callers
-    decide where the packet and the state go: files for ``ciders-edge train``, the network for a fleet)."""
-    hp, edge, examples = _load(b, data, profile, overrides or {})
+) -> RoundOutput:
+    """Load the bundle's AdapEmu and the data, run :func:`train_round` and fill its summary."""
+    hp, edge, examples = load_round(b, data, profile, overrides or {})
     out_round = train_round(
         edge, examples, state, hp, client_id=client_id, codec=codec, key=key, on_step=on_step, control=hypergradient
     )
     rfd = [m["r_fd"] for m in out_round.result.steps if "r_fd" in m]
     p = out_round.packet
-    summary = {
+    out_round.summary = {
         "client_id": client_id,
         "round": b.round,
         "bundle_id": b.bundle_id,
@@ -215,33 +178,10 @@ def train_bundle(
         "raw_bytes": p.raw_bytes,
         "packet_bytes": len(out_round.packet_bytes),
     }
-    return summary, out_round
+    return out_round
 
 
-def probe_files(
-    bundle: str | Path,
-    data: str | Path,
-    state_dir: str | Path,
-    out: str | Path,
-    *,
-    client_id: str,
-    profile: str | None = None,
-    key: bytes | None = None,
-) -> dict:
-    """FedNest's first exchange of a round: ``grad_x f_i`` and ``grad_y f_i`` at the bundle's point,
-    written as an fp32 packet (the cloud's hypergradient takes them exactly); the state is unchanged."""
-    b = Bundle.load(bundle)
-    check_state(ClientState.load(state_dir), b)
-    hp, edge, examples = _load(b, data, profile, {}, live_backbone=True)
-    seed = _seed(0, f"probe:{client_id}", b.round)
-    loss, grad_x, grad_y = client_gradients(edge, examples, hp, hp.probe_batches, seed)
-    metrics = {"kind": PROBE_KIND, "loss": loss}
-    packet = Packet(client_id, b.round, b.bundle_id, "fp32", len(examples), {**grad_x, **grad_y}, metrics)
-    size = packet.save(out, key)
-    return {"client_id": client_id, "round": b.round, "loss": loss, "packet": str(out), "packet_bytes": size}
-
-
-def _load(b: Bundle, data, profile: str | None, overrides: dict, live_backbone: bool = False):
+def load_round(b: Bundle, data, profile: str | None, overrides: dict, live_backbone: bool = False):
     """The round's hyperparameters, the AdapEmu on the profile's device, and the tokenized data."""
     prof = load_profile(profile) if profile else None
     hp = round_hyperparams(b, prof, overrides)
@@ -250,17 +190,7 @@ def _load(b: Bundle, data, profile: str | None, overrides: dict, live_backbone: 
     return hp, edge, load_examples(data, edge.tokenizer, hp.seq_len)
 
 
-def read_key(path: Path) -> bytes:
-    """A client key file: its bytes, stripped of surrounding whitespace; at least 16 bytes."""
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such key file")
-    key = path.read_bytes().strip()
-    if len(key) < 16:
-        raise ConfigError(f"{path}: a client key needs at least 16 bytes, got {len(key)}")
-    return key
-
-
-def _seed(seed: int, client_id: str, round_: int) -> int:
+def round_seed(seed: int, client_id: str, round_: int) -> int:
     """A data-order seed that is the same in every process (unlike ``hash`` of a str)."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{client_id}:{round_}".encode()).digest()[:8], "little")
 
@@ -275,9 +205,3 @@ def _check_finite(result: LocalResult) -> None:
         for name, t in tensors.items():
             if not torch.isfinite(t).all():
                 raise PacketError(f"non-finite values in {what} tensor {name}; no packet written, state unchanged")
-
-
-def append_metrics(path: Path, round_: int, steps: list[dict]) -> None:
-    with path.open("a") as f:
-        for s in steps:
-            f.write(json.dumps({"round": round_, **s}) + "\n")

@@ -1,0 +1,92 @@
+"""``ciders-edge train`` from Python: one round on files, the only public entry to edge training.
+
+:func:`train` reads the bundle, the data and the state folder, runs the round
+(:func:`ciders_edge.training.round.run_round`) and writes the Δc packet, then the state, then the
+metrics log, each atomically. ``simulate`` and the CLI call it; the Flower edge calls ``run_round``
+directly, since its packet goes to the network. :func:`probe` is FedNest's extra exchange.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ciders_edge.errors import ConfigError
+from ciders_edge.formats.atomic import append_jsonl, write_bytes
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import METRICS_LOG, ClientState
+from ciders_edge.formats.packet import Packet
+from ciders_edge.tensors import Tensors
+from ciders_edge.training.bilevel import client_gradients
+from ciders_edge.training.round import PROBE_KIND, RoundOutput, check_state, load_round, round_seed, run_round
+
+__all__ = ["train", "probe"]
+
+
+def train(
+    bundle: str | Path,
+    data: str | Path,
+    state_dir: str | Path,
+    out: str | Path,
+    *,
+    client_id: str | None = None,
+    profile: str | None = None,
+    codec: str = "fp32",
+    key: bytes | None = None,
+    overrides: dict | None = None,
+    on_step: Callable[[dict], None] | None = None,
+    hypergradient: Tensors | None = None,
+) -> RoundOutput:
+    """Train one round and write the packet to ``out`` and the advanced state to ``state_dir``.
+
+    Args:
+        client_id: needed on first use (default: the host name); must match an existing state's.
+        profile: device profile name or .toml path (dtype, device, batch shape).
+        codec: the packet's codec (``fp32``, ``bf16``, ``int8``, ...).
+        key: the client key that authenticates the packet (``None``: unsigned).
+        overrides: round hyperparameters to override (``local_steps``, ``eta``, ``solver``, ...).
+        hypergradient: FedNest's global hypergradient for the svrg solver.
+
+    Returns:
+        The round's output; ``.summary`` is what ``ciders-edge train --json`` prints.
+    """
+    b = Bundle.load(bundle)
+    state = ClientState.load(state_dir)
+    check_state(state, b)
+    if state is not None and client_id is not None and client_id != state.client_id:
+        raise ConfigError(f"--client-id {client_id!r} differs from the state's {state.client_id!r}")
+    cid = state.client_id if state is not None else client_id or os.uname().nodename
+    output = run_round(
+        b, data, state, client_id=cid, profile=profile, codec=codec, key=key,
+        overrides=overrides, on_step=on_step, hypergradient=hypergradient,
+    )  # fmt: skip
+    write_bytes(out, output.packet_bytes)
+    output.state.save(state_dir)
+    append_jsonl(Path(state_dir) / METRICS_LOG, [{"round": b.round, **s} for s in output.result.steps])
+    output.summary.update(packet=str(out), state=str(state_dir))
+    return output
+
+
+def probe(
+    bundle: str | Path,
+    data: str | Path,
+    state_dir: str | Path,
+    out: str | Path,
+    *,
+    client_id: str,
+    profile: str | None = None,
+    key: bytes | None = None,
+) -> dict:
+    """FedNest's first exchange of a round: ``grad_x f_i`` and ``grad_y f_i`` at the bundle's point,
+    written as an fp32 packet (the cloud's hypergradient takes them exactly); the state is unchanged."""
+    b = Bundle.load(bundle)
+    check_state(ClientState.load(state_dir), b)
+    hp, edge, examples = load_round(b, data, profile, {}, live_backbone=True)
+    loss, grad_x, grad_y = client_gradients(
+        edge, examples, hp, hp.probe_batches, round_seed(0, f"probe:{client_id}", b.round)
+    )
+    metrics = {"kind": PROBE_KIND, "loss": loss}
+    packet = Packet(client_id, b.round, b.bundle_id, "fp32", len(examples), {**grad_x, **grad_y}, metrics)
+    size = packet.save(out, key)
+    return {"client_id": client_id, "round": b.round, "loss": loss, "packet": str(out), "packet_bytes": size}
