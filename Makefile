@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEMO ?= runs/demo
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint readme clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -52,6 +52,10 @@ test: install
 
 lint: install
 	$(BIN)/ruff check ciders_edge ciders_cloud export tests benchmarks
+
+# README.md's command reference, regenerated from the CLIs (tests/test_readme.py checks it is current)
+readme: install
+	$(PY) tools/readme_commands.py
 
 clean:
 	rm -rf $(VENV) runs

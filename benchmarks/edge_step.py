@@ -71,7 +71,7 @@ def _step_peak(base: float) -> float:
 def worker(args) -> dict:
     from ciders_edge.config import RoundHyperparams
     from ciders_edge.data.records import collate
-    from ciders_edge.model.lora import MESSENGER, lora_parameters
+    from ciders_edge.model.lora import MESSENGER_ADAPTER, lora_parameters
     from ciders_edge.training.local_steps import local_update
     from ciders_edge.training.objective import MessengerObjective
 
@@ -98,7 +98,7 @@ def worker(args) -> dict:
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
     else:
-        params = list(lora_parameters(model, MESSENGER).values())
+        params = list(lora_parameters(model, MESSENGER_ADAPTER).values())
         model.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)

@@ -19,7 +19,7 @@ from ciders_cloud.takd import takd_terms
 from ciders_cloud.teacher import CloudModels
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import batch_stream, load_examples
-from ciders_edge.model.lora import BACKBONE, MESSENGER, copy_into, lora_parameters, set_trainable
+from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, copy_into, lora_parameters, set_trainable
 from ciders_edge.tensors import Tensors
 
 __all__ = ["TakdInner", "cloud_indirect_term"]
@@ -30,8 +30,8 @@ class TakdInner:
 
     def __init__(self, models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -> None:
         self.models, self.batch, self.cfg = models, batch, cfg
-        self.x = lora_parameters(models.emu, MESSENGER)
-        self.y = lora_parameters(models.emu, BACKBONE)
+        self.x = lora_parameters(models.emu, MESSENGER_ADAPTER)
+        self.y = lora_parameters(models.emu, BACKBONE_ADAPTER)
 
     def loss_at(self, x: Tensors, y: Tensors) -> tuple[Tensor, Tensors, Tensors]:
         copy_into(self.x, x)

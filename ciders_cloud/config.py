@@ -1,15 +1,21 @@
-"""The run's resolved configuration, saved as ``RUN/run.json``."""
+"""The cloud's configurations: the run's (``RUN/run.json``), its TAKD, and a ``simulate`` study's.
+
+One word, one meaning: ``clients`` is a count (simulate's), ``client_ids`` a list of ids (a run's).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ciders_cloud.strategies import STRATEGIES, get_strategy
 from ciders_edge.config import ConfigMixin, RoundHyperparams
 from ciders_edge.errors import ConfigError
+from ciders_edge.formats.packet import CODECS
+from ciders_edge.formats.storage import STORAGES
 from ciders_edge.model.lora import LoraSettings
 
-__all__ = ["TakdConfig", "RunConfig", "HIDDEN_LOSSES", "TASK_LOSSES", "ALIGN_PARAMS", "GAMMA_SCHEDULES"]
+__all__ = ["TakdConfig", "RunConfig", "SimConfig", "HIDDEN_LOSSES", "TASK_LOSSES", "ALIGN_PARAMS", "GAMMA_SCHEDULES"]
 
 HIDDEN_LOSSES = ("relative", "mse")
 TASK_LOSSES = ("excess", "ce")
@@ -70,7 +76,7 @@ class TakdConfig(ConfigMixin):
 class RunConfig(ConfigMixin):
     """Everything ``prepare`` decided; later commands read it back instead of re-asking."""
 
-    CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES}
+    CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES, "storage": ("", *STORAGES)}
     TABLES = {
         "lora": LoraSettings,
         "backbone_lora": LoraSettings,
@@ -94,8 +100,20 @@ class RunConfig(ConfigMixin):
     hyperparameters: dict = field(default_factory=lambda: RoundHyperparams().to_dict())
     algorithm: str = "ciders-fo"  # a strategy in ciders_cloud.strategies
     gamma_schedule: str = "constant"  # constant (hyperparameters.gamma) | protocol-c
-    clients: list[str] = field(default_factory=list)  # accepted client ids (a file's `client_ids`); empty: any
+    client_ids: list[str] = field(default_factory=list)  # the accepted clients; empty: any
+    storage: str = ""  # how bundles store frozen weights (fp32, bf16, int8, int4); empty: each profile's
     run_id: str = ""  # set by prepare (prepare.run_identity); in every bundle: an edge state is tied to its run
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "", strict: bool = False) -> RunConfig:
+        """As :meth:`ConfigMixin.from_dict`; a run.json written before ``clients`` was renamed
+        ``client_ids`` (``clients`` is simulate's count everywhere else) still loads."""
+        if "clients" not in d or "client_ids" in d:
+            return super().from_dict(d, where, strict)
+        try:
+            return super().from_dict({("client_ids" if k == "clients" else k): v for k, v in d.items()}, where, strict)
+        except ConfigError as err:  # name the key as the file spells it
+            raise ConfigError(str(err).replace("`client_ids`", "`clients`")) from None
 
     def __post_init__(self) -> None:
         if self.messenger_depth < 1:
@@ -127,3 +145,54 @@ class RunConfig(ConfigMixin):
     @property
     def round_hyperparams(self) -> RoundHyperparams:
         return RoundHyperparams.from_dict(self.hyperparameters)
+
+
+@dataclass
+class SimConfig(ConfigMixin):
+    """Everything ``simulate`` takes; TOML keys equal these names, CLI flags override them.
+
+    ``clients`` is the number of simulated edges, as the ``--clients`` flag, a config file's key and
+    every study's ``config.json`` say; a list of client ids is always ``client_ids`` (RunConfig's).
+    """
+
+    CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES, "codec": CODECS}
+    TABLES = {"hyperparameters": RoundHyperparams, "takd": TakdConfig}
+
+    model: str = "tiny"
+    data: list[str] = field(default_factory=list)
+    eval_data: list[str] = field(default_factory=list)  # per-file: each client's own evaluation file
+    clients: int = 3
+    rounds: int = 3
+    local_steps: int = 20  # K, as RoundHyperparams
+    algorithm: str = "ciders-fo"
+    partition: str = "iid"  # iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file
+    participation: float = 1.0
+    seed: int = 0
+    eval_every: int = 1
+    eval_examples: int = 16  # held-out records per client scored for NLL
+    eval_generate: int = 4  # held-out records per client answered for ROUGE-L / exact match
+    holdout: float = 0.1
+    max_records: int = 0  # cap per client (0: all)
+    public_data: str = ""  # TAKD data; default: a sample of the clients' training data
+    profile: str = "cpu-laptop"
+    messenger_depth: int | None = None
+    drop_ratio: float | None = None
+    layer_steps: int | None = None  # prepare's bootstrap (None: the defaults of `prepare`)
+    align_steps: int | None = None
+    codec: str = "fp32"
+    gamma_schedule: str = "constant"
+    hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
+    takd: dict = field(default_factory=dict)  # TakdConfig overrides
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ConfigError("simulate needs at least one --data file")
+        if self.clients < 1 or self.rounds < 1 or self.local_steps < 1:
+            raise ConfigError("`clients`, `rounds` and `local_steps` must be positive")
+        if not 0.0 < self.participation <= 1.0:
+            raise ConfigError(f"`participation` must be in (0, 1], got {self.participation}")
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"`holdout` must be in (0, 1), got {self.holdout}")
+        if self.eval_data and (self.partition != "per-file" or len(self.eval_data) != len(self.data)):
+            raise ConfigError("`eval_data` takes one evaluation file per --data file, with the per-file partition")
+        get_strategy(self.algorithm)

@@ -1,9 +1,10 @@
-"""``--config FILE.toml``: keys mirror the flags; one file serves ``prepare`` and ``simulate``.
+"""``--config FILE.toml``: a run's settings in a file (mostly the flags' names); one file serves two commands.
 
 Every key is checked at load, before anything is written, against the keys of both commands
 (:class:`ConfigFile`): a wrong type, a value outside a fixed set or an unknown key is one line naming
-the file and ``table.key``. In a file ``clients`` is simulate's client count and ``local_steps`` the
-edges' K; prepare's accepted client ids are ``client_ids``. Shipped presets are found by name.
+the file and ``table.key``. As everywhere in the code, ``clients`` is simulate's client count and
+``client_ids`` prepare's accepted ids (RunConfig's field); ``local_steps`` is the edges' K. Shipped
+presets are found by name.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ class ConfigFile(SimConfig):
     TABLES = {**SimConfig.TABLES, "lora": LoraSettings, "backbone_lora": LoraSettings}
 
     profiles: list[str] = field(default_factory=list)  # prepare's device profiles (simulate's is `profile`)
-    client_ids: list[str] = field(default_factory=list)  # prepare's accepted client ids (run.json's `clients`)
+    client_ids: list[str] = field(default_factory=list)  # prepare's accepted client ids
     lora: dict = field(default_factory=dict)
     backbone_lora: dict = field(default_factory=dict)
+    storage: str = ""  # prepare's bundle storage of frozen weights (empty: each profile's)
 
 
 PREPARE_ONLY = tuple(k for k in ConfigFile.field_types() if k not in SimConfig.field_types())
-# the file's keys that are RunConfig's too; `clients` is not: a file's is simulate's count
-RUN_KEYS = (set(RunConfig.field_types()) & set(ConfigFile.field_types())) - {"clients"}
+RUN_KEYS = set(RunConfig.field_types()) & set(ConfigFile.field_types())  # the file's keys that are the run's too
 
 
 def config_path(name_or_path: str) -> Path:
@@ -87,15 +88,13 @@ def _for_simulate(data: dict, where: str) -> dict:
 
 def _for_prepare(data: dict) -> dict:
     """Prepare's keys: ``local_steps`` goes to the bundles' hyperparameters, ``profile`` (simulate's one
-    profile) stands for ``profiles``, ``client_ids`` for the accepted clients; the study's keys
-    (``clients``, ``rounds``, ``data``, ...) describe the rounds after prepare, not the run."""
+    profile) stands for ``profiles``; the study's keys (``clients``, ``rounds``, ``data``, ...) describe
+    the rounds after prepare, not the run."""
     run = {k: v for k, v in data.items() if k in RUN_KEYS}
     if "local_steps" in data:
         run["hyperparameters"] = {"local_steps": data["local_steps"], **data.get("hyperparameters", {})}
     if "profile" in data and "profiles" not in data:
         run["profiles"] = [data["profile"]]
-    if "client_ids" in data:
-        run["clients"] = data["client_ids"]
     return run
 
 

@@ -17,18 +17,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ciders_cloud.run_folder import RunFolder
 from ciders_edge.errors import StateError
 from ciders_edge.formats.atomic import remove_stale_staging
 
-__all__ = ["run_lock", "LOCK_FILE"]
-
-LOCK_FILE = ".lock"
+__all__ = ["run_lock"]
 
 
 @contextmanager
 def run_lock(run_dir: str | Path, command: str) -> Iterator[None]:
     """Hold the run's lock for the block, or fail at once naming the command that holds it."""
-    path = Path(run_dir) / LOCK_FILE
+    path = RunFolder(run_dir).lock
     if not path.parent.is_dir():
         raise StateError(f"{path.parent}: not a run folder; create one with `ciders-cloud prepare`")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

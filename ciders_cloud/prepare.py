@@ -15,12 +15,13 @@ from transformers import AutoConfig
 from ciders_cloud.bootstrap import bootstrap
 from ciders_cloud.config import RunConfig
 from ciders_cloud.fidelity import Fidelity, measure_fidelity
+from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for
 from ciders_cloud.takd import TERMS, Distiller, public_split
 from ciders_cloud.teacher import CloudModels, build_cloud_models, split_for
 from ciders_edge.errors import ConfigError, StateError
-from ciders_edge.formats.atomic import staging_dir, write_bytes, write_json, write_safetensors
+from ciders_edge.formats.atomic import append_jsonl, staging_dir, write_json, write_jsonl, write_safetensors
 from ciders_edge.formats.bundle import Bundle, BundleContents
 from ciders_edge.formats.checksums import sha256_file
 from ciders_edge.model.lora import peft_config
@@ -33,22 +34,12 @@ __all__ = [
     "distill",
     "write_bundles",
     "load_run",
-    "RUN_CONFIG",
-    "STATE_DIR",
-    "DISTILL_LOG",
-    "append_log",
     "write_round_log",
-    "bundle_path",
     "load_cloud_models",
     "fidelity_record",
 ]
 
-RUN_CONFIG = "run.json"
-STATE_DIR = "server"
-DISTILL_LOG = "distill.jsonl"
 TAKD_LOSS_KEYS = ("hidden_loss", "lambda_hidden", "lambda_out", "lambda_task", "task_loss")  # shown in manifests
-ALIGNED = "aligned_layers.safetensors"  # the AdapEmu layers prepare's bootstrap trained
-BUNDLES_DIR = "bundles"
 
 
 def prepare(run: RunConfig, out: str | Path) -> dict:
@@ -85,37 +76,38 @@ def prepare(run: RunConfig, out: str | Path) -> dict:
         takd_step=distiller.step_count if distiller else 0,
     )
     staging = staging_dir(out)
+    folder = RunFolder(staging)
     try:
-        write_json(staging / RUN_CONFIG, run.to_dict())
-        write_safetensors(staging / ALIGNED, models.changed_layers())
-        state.save(staging / STATE_DIR)
-        append_log(staging / DISTILL_LOG, records)
+        write_json(folder.config, run.to_dict())
+        write_safetensors(folder.aligned, models.changed_layers())
+        state.save(folder.server_state)
+        append_jsonl(folder.distill_log, records)
         bundles = write_bundles(staging, run, models, state, profiles, fidelity)
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    summary = _summary(out, run, split, records, {p: out / b.path.relative_to(staging) for p, b in bundles.items()})
+    summary = _summary(out, run, split, records, {p: RunFolder(out).bundle(p, state.round) for p in bundles})
     return {**summary, "fidelity_before": before.to_dict() if before else None, "deploy": deploy}
 
 
 def distill(run_dir: str | Path, steps: int) -> dict:
     """Continue TAKD warm-started from the saved backbone LoRA and optimizer; re-ship the bundles."""
-    run_dir = Path(run_dir)
+    run_dir, folder = Path(run_dir), RunFolder(run_dir)
     run = load_run(run_dir)
-    state = ServerState.load(run_dir / STATE_DIR)
+    state = ServerState.load(folder.server_state)
     models = load_cloud_models(run_dir, run, state)
     public, held = public_split(run, models.tokenizer)
     distiller = Distiller(models, public, run.takd_config, state.optimizer, state.takd_step, run.seed)
     records = distiller.run(steps, round_=state.round, label="TAKD")
     fidelity = measure_fidelity(models, held)
     records.append(fidelity_record(state.round, distiller.step_count, fidelity))
-    write_round_log(run_dir / DISTILL_LOG, state, records)
+    write_round_log(folder.distill_log, state, records)
     state.backbone = models.backbone_state()
     state.optimizer = distiller.optimizer_state()
     state.takd_step = distiller.step_count
-    state.save(run_dir / STATE_DIR)
+    state.save(folder.server_state)
     bundles = write_bundles(run_dir, run, models, state, [load_profile(p) for p in run.profiles], fidelity)
     return _summary(run_dir, run, models.split, records, {p: b.path for p, b in bundles.items()})
 
@@ -127,25 +119,22 @@ def run_identity(run: RunConfig) -> str:
     the bit (so a fleet and a simulation of it can be compared), and the cloud's c_i digest check
     tells their clients apart."""
     made_of = {k: v for k, v in run.to_dict().items() if k not in ("model_path", "public_data", "run_id")}
+    made_of["clients"] = made_of.pop("client_ids")  # the key before the rename: a run made alike keeps its id
     made_of["public_data"] = sha256_file(Path(run.public_data))
     return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def load_cloud_models(run_dir: Path, run: RunConfig, state: ServerState) -> CloudModels:
     """The run's models as the last command left them: source model, aligned layers, LoRA state."""
-    aligned = run_dir / ALIGNED
+    aligned = RunFolder(run_dir).aligned
     return build_cloud_models(run, state, load_file(aligned) if aligned.is_file() else None)
 
 
 def load_run(run_dir: Path) -> RunConfig:
-    path = run_dir / RUN_CONFIG
+    path = RunFolder(run_dir).config
     if not path.is_file():
-        raise StateError(f"{run_dir}: not a run folder (no {RUN_CONFIG}); create one with `ciders-cloud prepare`")
+        raise StateError(f"{run_dir}: not a run folder (no {path.name}); create one with `ciders-cloud prepare`")
     return RunConfig.from_dict(json.loads(path.read_text()), where=str(path))
-
-
-def bundle_path(run_dir: Path, profile: str, round_: int) -> Path:
-    return run_dir / BUNDLES_DIR / profile / f"round-{round_:04d}"
 
 
 def write_bundles(
@@ -159,16 +148,18 @@ def write_bundles(
     """Write round ``state.round``'s bundle for every profile; unchanged files are hard-linked."""
     out = {}
     for profile in profiles:
-        path = bundle_path(run_dir, profile.name, state.round)
+        path = RunFolder(run_dir).bundle(profile.name, state.round)
         previous = _previous_bundle(run_dir, profile.name, state.round)
-        contents = _contents(run, models, state, profile, fidelity)
+        contents = bundle_contents(run, models, state, profile, fidelity)
         out[profile.name] = Bundle.save(path, contents, previous)
     return out
 
 
-def _contents(
+def bundle_contents(
     run: RunConfig, models: CloudModels, state: ServerState, profile: DeviceProfile, fidelity: Fidelity | None
 ) -> BundleContents:
+    """One profile's bundle of this round, in memory, from the cloud's full-precision weights (stored as
+    ``run.storage`` or the profile says)."""
     emu = models.emu.get_base_model()
     split = models.split
     hp = round_hyperparams_for(run, state.round).replace(
@@ -206,6 +197,7 @@ def _contents(
         consensus=state.consensus,
         full_backbone={k: v.to(profile.torch_dtype) for k, v in full.items()} if full is not None else None,
         full_config=models.teacher.config if full is not None else None,
+        storage=run.storage or profile.storage,
     )
 
 
@@ -213,7 +205,7 @@ def _previous_bundle(run_dir: Path, profile: str, round_: int) -> Bundle | None:
     """What an edge holds before round ``round_``'s bundle: round ``round_ - 1``'s (or, for distill's
     rewrite of round 0, round 0's). Never a later one, which a killed ``aggregate`` may have left."""
     for r in (round_ - 1, round_):
-        path = bundle_path(run_dir, profile, r)
+        path = RunFolder(run_dir).bundle(profile, r)
         if r >= 0 and path.is_dir():
             return Bundle.load(path)
     return None
@@ -246,21 +238,12 @@ def fidelity_record(round_: int, takd_step: int, fidelity: Fidelity | None) -> d
     return {"type": "fidelity", "round": round_, "takd_step": takd_step, **(fidelity.to_dict() if fidelity else {})}
 
 
-def append_log(path: Path, records: list[dict]) -> None:
-    with path.open("a") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_round_log(path: Path, committed: ServerState, records: list[dict]) -> None:
     """Add ``records`` to the log *before* the state commit, replacing whatever an interrupted attempt
     left: a TAKD or fidelity record past ``committed``'s round or TAKD step is from an attempt that
     never committed. So a rerun after a kill logs each step exactly once."""
-    lines = path.read_text().splitlines() if path.is_file() else []
-    kept = [line for line in lines if _committed(json.loads(line), committed)]
-    write_bytes(path, "".join(line + "\n" for line in kept + [json.dumps(rec) for rec in records]).encode())
+    logged = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    write_jsonl(path, [rec for rec in logged if _committed(rec, committed)] + records)
 
 
 def _committed(rec: dict, state: ServerState) -> bool:

@@ -1,6 +1,7 @@
 """Server state (v, c, every c_i, backbone LoRA, TAKD optimizer, RNG, round), saved per round.
 
-Written as one directory swapped in atomically, so a crash leaves the previous round whole.
+Written as one directory swapped in atomically, so a crash leaves the previous round whole. Its
+file names are the run folder's (:mod:`ciders_cloud.run_folder`); ``state.json`` is the statedir's.
 """
 
 from __future__ import annotations
@@ -10,16 +11,12 @@ from pathlib import Path
 
 import torch
 
+from ciders_cloud.run_folder import BACKBONE_LORA, CLIENT_CONSENSUS, CONSENSUS, MESSENGER_LORA, TAKD_OPTIMIZER
 from ciders_edge.errors import StateError
 from ciders_edge.formats.statedir import INT, OBJECT, STR, Field, list_of, load_state_dir, optional, save_state_dir
 
 __all__ = ["ServerState", "optimizer_to_tensors", "optimizer_from_tensors"]
 
-MESSENGER = "messenger_lora.safetensors"
-BACKBONE = "backbone_lora.safetensors"
-CONSENSUS = "consensus.safetensors"
-CLIENTS = "client_consensus.safetensors"
-OPTIM = "takd_optimizer.safetensors"
 FORMAT_VERSION = 1
 FIELDS = {  # state.json, checked on load
     "round": INT,
@@ -49,11 +46,11 @@ class ServerState:
     def save(self, path: str | Path) -> None:
         flat = {f"{cid}/{k}": v for cid, st in self.clients.items() for k, v in st.items()}
         tensors = {
-            MESSENGER: self.messenger,
-            BACKBONE: self.backbone,
+            MESSENGER_LORA: self.messenger,
+            BACKBONE_LORA: self.backbone,
             CONSENSUS: self.consensus,
-            CLIENTS: flat,
-            OPTIM: self.optimizer,
+            CLIENT_CONSENSUS: flat,
+            TAKD_OPTIMIZER: self.optimizer,
         }
         meta = {
             "format_version": FORMAT_VERSION,
@@ -70,15 +67,15 @@ class ServerState:
     def load(cls, path: str | Path) -> ServerState:
         """The saved state; a missing file, a mistyped field or a stray client tensor is a StateError."""
         path = Path(path)
-        names = (MESSENGER, BACKBONE, CONSENSUS, CLIENTS, OPTIM)
+        names = (MESSENGER_LORA, BACKBONE_LORA, CONSENSUS, CLIENT_CONSENSUS, TAKD_OPTIMIZER)
         meta, tensors = load_state_dir(path, names, FORMAT_VERSION, "server state", FIELDS)
         return cls(
             meta["round"],
-            tensors[MESSENGER],
-            tensors[BACKBONE],
+            tensors[MESSENGER_LORA],
+            tensors[BACKBONE_LORA],
             tensors[CONSENSUS],
-            _clients(meta["clients"], tensors[CLIENTS], path / CLIENTS),
-            _optimizer(tensors[OPTIM], path / OPTIM),
+            _clients(meta["clients"], tensors[CLIENT_CONSENSUS], path / CLIENT_CONSENSUS),
+            _optimizer(tensors[TAKD_OPTIMIZER], path / TAKD_OPTIMIZER),
             meta["takd_step"],
             meta.get("rng", {}),
             meta.get("last_round_digests", []),

@@ -21,7 +21,7 @@ from ciders_cloud.server_state import optimizer_from_tensors, optimizer_to_tenso
 from ciders_cloud.teacher import CloudModels
 from ciders_edge.data.records import IGNORE, Example, batch_stream, load_examples
 from ciders_edge.model.forward import backbone_hidden, messenger_logits
-from ciders_edge.model.lora import BACKBONE, lora_parameters, set_trainable
+from ciders_edge.model.lora import BACKBONE_ADAPTER, lora_parameters, set_trainable
 from ciders_edge.progress import progress_bar
 
 __all__ = ["hidden_term", "task_term", "takd_loss", "takd_terms", "Distiller", "public_split", "TERMS"]
@@ -154,7 +154,7 @@ class Distiller:
         lr: float | None = None,
     ) -> None:
         self.models, self.cfg, self.step_count = models, cfg, step
-        self.params = params if params is not None else list(lora_parameters(models.emu, BACKBONE).values())
+        self.params = params if params is not None else list(lora_parameters(models.emu, BACKBONE_ADAPTER).values())
         self.optimizer = torch.optim.AdamW(self.params, lr=lr or cfg.lr, weight_decay=cfg.weight_decay)
         optimizer_from_tensors(self.optimizer, optimizer_state or {})
         pad = models.tokenizer.pad_token_id

@@ -1,4 +1,6 @@
-"""The cloud's models: the frozen full model M* (teacher) and the AdapEmu with both LoRAs."""
+"""The cloud's two models: the frozen full model M* (the cloud teacher: full backbone B_F and the
+original top layers) and the AdapEmu (the learnable backbone B_L with the messenger on top) with both
+LoRAs, the messenger's v and the backbone's. :class:`CloudModels` holds them for TAKD and bundles."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from ciders_cloud.config import RunConfig
 from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import StateError
 from ciders_edge.model.families import family_of
-from ciders_edge.model.lora import BACKBONE, MESSENGER, attach_lora, load_lora_state, lora_state
+from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, attach_lora, load_lora_state, lora_state
 from ciders_edge.model.sources import load_model, load_tokenizer
 from ciders_edge.model.split import SplitSpec, build_adapemu
 
@@ -22,6 +24,8 @@ __all__ = ["CloudModels", "build_cloud_models", "split_for"]
 
 @dataclass
 class CloudModels:
+    """The teacher M* and its AdapEmu student, as one run's prepare, distill and aggregate load them."""
+
     teacher: PreTrainedModel  # M*: B_F followed by the original top layers; frozen
     emu: PeftModel  # AdapEmu = P_M ∘ B_L with adapters `messenger` (v) and `backbone`
     base_weights: dict[str, torch.Tensor]  # AdapEmu weights without LoRA, for bundles (views of the live weights)
@@ -50,14 +54,14 @@ class CloudModels:
         return {k: v for k, v in source.items() for i in needed if k.startswith(f"model.layers.{i}.")}
 
     def messenger_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in lora_state(self.emu, MESSENGER).items()}
+        return {k: v.clone() for k, v in lora_state(self.emu, MESSENGER_ADAPTER).items()}
 
     def load_messenger(self, v: dict[str, torch.Tensor]) -> None:
         """Hold ``v`` as the messenger LoRA (for TAKD after aggregation)."""
-        load_lora_state(self.emu, v, MESSENGER)
+        load_lora_state(self.emu, v, MESSENGER_ADAPTER)
 
     def backbone_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in lora_state(self.emu, BACKBONE).items()}
+        return {k: v.clone() for k, v in lora_state(self.emu, BACKBONE_ADAPTER).items()}
 
 
 def split_for(run: RunConfig) -> SplitSpec:
@@ -87,6 +91,6 @@ def build_cloud_models(
     torch.manual_seed(run.seed)
     model = attach_lora(emu, split, run.lora_settings, run.backbone_lora_settings).eval()
     if state is not None:
-        load_lora_state(model, state.messenger, MESSENGER)
-        load_lora_state(model, state.backbone, BACKBONE)
+        load_lora_state(model, state.messenger, MESSENGER_ADAPTER)
+        load_lora_state(model, state.backbone, BACKBONE_ADAPTER)
     return CloudModels(teacher, model, base, split, load_tokenizer(path))

@@ -1,4 +1,4 @@
-"""What both CLIs share: one-line errors, quiet libraries, the ``--json`` last line."""
+"""What the CLIs share: one-line errors, quiet libraries, the ``--json`` last line, tables that never cut a key."""
 
 from __future__ import annotations
 
@@ -6,15 +6,18 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import typer
+from rich.cells import cell_len
+from rich.table import Table
+from rich.text import Text
 
 from ciders_edge.errors import CidersError
 from ciders_edge.progress import console
 
-__all__ = ["run_command", "quiet_libraries", "JsonOpt", "BackboneOpt", "BaseModelOpt"]
+__all__ = ["run_command", "quiet_libraries", "key_table", "print_table", "JsonOpt", "BackboneOpt", "BaseModelOpt"]
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
 BackboneOpt = Annotated[
@@ -55,3 +58,37 @@ def run_command(fn: Callable[[], dict[str, Any]], as_json: bool, render: Callabl
         sys.stdout.write(json.dumps(summary) + "\n")
     elif render is not None:
         render(summary)
+
+
+def key_table(
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    keys: int = 1,
+    whole_headers: bool = False,
+    show_header: bool = True,
+    title: str | None = None,
+) -> Table:
+    """A frameless table whose first ``keys`` columns (names, ids, the row label) are never wrapped or cut.
+
+    Piped output is 80 columns and a terminal may be narrower: the key columns are ``no_wrap`` and as
+    wide as their longest value, the others fold. ``whole_headers`` keeps every header whole too (where
+    the headers are keys, e.g. evaluate's file names). Print it with :func:`print_table`.
+    """
+    table = Table(box=None, collapse_padding=True, pad_edge=False, show_header=show_header, title=title)
+    for i, name in enumerate(header):
+        width = max([cell_len(name), *(cell_len(r[i]) for r in rows)] if i < keys else [cell_len(name)])
+        if i < keys:
+            table.add_column(name, no_wrap=True, min_width=width)
+        elif whole_headers:
+            table.add_column(Text(name, no_wrap=True), overflow="fold", min_width=width)
+        else:
+            table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def print_table(table: Table) -> None:
+    """Print a :func:`key_table`; where its keys are wider than the terminal the lines run long, never cut."""
+    console.print(table, crop=False)

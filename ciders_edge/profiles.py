@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from ciders_edge.config import ConfigMixin
 from ciders_edge.errors import ConfigError
+from ciders_edge.formats.storage import STORAGES
 
 __all__ = [
     "DeviceProfile",
@@ -42,7 +43,8 @@ class DeviceProfile(ConfigMixin):
     name: str = "custom"
     description: str = ""
     target: str = "cpu"  # cpu | cuda | jetson
-    dtype: str = "float32"  # weights of the frozen parts; LoRA always trains in float32
+    dtype: str = "float32"  # compute dtype of the frozen parts; LoRA always trains in float32
+    storage: str = "int8"  # how a bundle ships the frozen weights: fp32 | bf16 | int8 | int4 (dequantized at load)
     memory_budget_gb: float = 8.0  # memory the toolkit may use on the device
     messenger_depth: int = 6
     drop_ratio: float = 0.2
@@ -61,6 +63,8 @@ class DeviceProfile(ConfigMixin):
             raise ConfigError(f"{where}: `target` must be one of {', '.join(TARGETS)}, got {self.target!r}.")
         if self.dtype not in DTYPES:
             raise ConfigError(f"{where}: `dtype` must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if self.storage not in STORAGES:
+            raise ConfigError(f"{where}: `storage` must be one of {', '.join(STORAGES)}, got {self.storage!r}.")
         for name in ("messenger_depth", "lora_rank", "seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{where}: `{name}` must be positive, got {getattr(self, name)}.")

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, run_command
+from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, key_table, print_table, run_command
 from ciders_edge.progress import console, status
 from export.api import export_model
 from export.bench import BenchSettings, bench
@@ -84,22 +83,9 @@ def bench_command(
 def _render_bench(s: dict) -> None:
     model = "AdapFu" if s.get("backbone") == "full" else "AdapEmu"
     title = f"{s['bundle']}: {model}, {s['messenger']} messenger, profile {s['profile']}"
-    table = Table("runtime", "MiB", "load s", "TTFT ms", "tok/s", "×torch", "RSS MiB", "agree", title=title)
-    for r in s["runtimes"]:
-        agree = f"{r['check']['greedy_agreement']:.1%}" if r.get("check") else "ref"
-        ratio = f"{r['speedup_vs_torch']:.2f}" if r["speedup_vs_torch"] is not None else "—"
-        table.add_row(
-            r["runtime"],
-            f"{r['files_bytes'] / 2**20:.0f}",
-            f"{r['load_s']:.1f}",
-            f"{r['first_token_s'] * 1000:.0f}",
-            f"{r['decode_tokens_per_s']:.1f}",
-            ratio,
-            f"{r['peak_rss_mib']:.0f}",
-            agree,
-        )
+    header = ("runtime", "MiB", "load s", "TTFT ms", "tok/s", "×torch", "RSS MiB", "agree")
     console.print(f"decode: {s['new_tokens']} new tokens, median of {s['repeats']} generations")
-    console.print(table)
+    print_table(key_table(header, [_bench_row(r) for r in s["runtimes"]], title=title))
     t = s.get("train_step")
     if t:
         console.print(
@@ -109,3 +95,18 @@ def _render_bench(s: dict) -> None:
         )
     if s.get("plot"):
         console.print(f"plot: {s['plot']}")
+
+
+def _bench_row(r: dict) -> tuple[str, ...]:
+    agree = f"{r['check']['greedy_agreement']:.1%}" if r.get("check") else "ref"
+    ratio = f"{r['speedup_vs_torch']:.2f}" if r["speedup_vs_torch"] is not None else "—"
+    return (
+        r["runtime"],
+        f"{r['files_bytes'] / 2**20:.0f}",
+        f"{r['load_s']:.1f}",
+        f"{r['first_token_s'] * 1000:.0f}",
+        f"{r['decode_tokens_per_s']:.1f}",
+        ratio,
+        f"{r['peak_rss_mib']:.0f}",
+        agree,
+    )

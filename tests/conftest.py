@@ -66,7 +66,8 @@ def fast_run_config(demo_dir, **overrides):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, demo_dir):
-    """A prepared run on `tiny`: 8 layers, messenger depth 2, drop ratio 0.5 -> kept [0, 2, 5]."""
+    """A prepared run on `tiny`: 8 layers, messenger depth 2, drop ratio 0.5 -> kept [0, 2, 5]; frozen weights
+    stored in fp32, so tests can compare the edge's models with the cloud's exactly (int8 is tested apart)."""
     from ciders_cloud import RunConfig, prepare
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
@@ -79,6 +80,7 @@ def tiny_run(tmp_path_factory, demo_dir):
         layer_steps=20,
         align_steps=3,
         takd={"lr": 3e-3, "batch_size": 4, "seq_len": 128},
+        storage="fp32",
     )
     summary = prepare(run, out)
     return out, summary

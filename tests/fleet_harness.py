@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ciders_cloud.fleet.certs import make_certs
-from ciders_cloud.fleet.coordinator import NODES_DIR
+from ciders_cloud.run_folder import RunFolder
 from ciders_edge.fleet.keys import ensure_node_key
 
 BIN = Path(sys.executable).parent
@@ -57,8 +57,8 @@ class Fleet:
     def register(self, cid: str) -> None:
         """Make the edge's node key and give its public key to the cloud."""
         _, public = ensure_node_key(self.state(cid))
-        (self.run_dir / NODES_DIR).mkdir(exist_ok=True)
-        shutil.copy(public, self.run_dir / NODES_DIR / f"{cid}.pub")
+        RunFolder(self.run_dir).nodes.mkdir(exist_ok=True)
+        shutil.copy(public, RunFolder(self.run_dir).node_key(cid))
 
     def serve(self, rounds: int, min_clients: int, timeout: float, name: str = "cloud") -> None:
         cmd = [BIN / "ciders-cloud", "serve", "--run", self.run_dir, "--rounds", rounds, "--min-clients", min_clients]

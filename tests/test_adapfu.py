@@ -23,10 +23,12 @@ from export.check import all_logits, check_inputs, compare_logits
 runner = CliRunner()
 
 
-def _prepare(tmp_path, demo_dir, depth, drop, profile="cpu-laptop"):
+def _prepare(tmp_path, demo_dir, depth, drop, profile="cpu-laptop", storage="fp32"):
+    """A tiny run; fp32 storage by default, so AdapFu can be compared with the base model exactly."""
     run = RunConfig(model="tiny", profiles=[profile], messenger_depth=depth, drop_ratio=drop, layer_steps=3,
-                    align_steps=1, public_data=str(demo_dir / "public.jsonl"), takd={"seq_len": 64})  # fmt: skip
-    out = tmp_path / f"run-{depth}-{drop}"
+                    align_steps=1, public_data=str(demo_dir / "public.jsonl"), takd={"seq_len": 64},
+                    storage=storage)  # fmt: skip
+    out = tmp_path / f"run-{depth}-{drop}-{storage}"
     prepare(run, out)
     return Bundle.load(out / "bundles" / Path(profile).stem / "round-0000")
 

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.lock import run_lock
-from ciders_cloud.prepare import STATE_DIR
 from ciders_cloud.rounds import aggregate_packets
+from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import StateError
 from ciders_edge.formats.bundle import Bundle
@@ -32,7 +32,7 @@ def round0(tmp_path_factory, demo_dir):
     from ciders_cloud import prepare
 
     root = tmp_path_factory.mktemp("agg")
-    run = fast_run_config(demo_dir, clients=["a", "b"], hyperparameters={"takd_steps": 3})
+    run = fast_run_config(demo_dir, client_ids=["a", "b"], hyperparameters={"takd_steps": 3})
     prepare(run, root / "run")
     bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
     for cid, fam in (("a", "dates"), ("b", "code")):
@@ -54,8 +54,8 @@ def _copy(round0, tmp_path):
 
 def _state_bytes(run):
     """Every tensor file byte for byte, and state.json less the summary (it names the run's path)."""
-    out = {p.name: p.read_bytes() for p in sorted((run / STATE_DIR).iterdir()) if p.suffix == ".safetensors"}
-    meta = json.loads((run / STATE_DIR / "state.json").read_text())
+    out = {p.name: p.read_bytes() for p in sorted(RunFolder(run).server_state.iterdir()) if p.suffix == ".safetensors"}
+    meta = json.loads((RunFolder(run).server_state / "state.json").read_text())
     meta.pop("last_summary")
     return {**out, "state.json": meta}
 
@@ -104,7 +104,7 @@ def test_round_advances_and_absent_clients_keep_c_i(round0, tmp_path):
     run, packets = _copy(round0, tmp_path)
     r = runner.invoke(cloud, [*_args(run, packets[:1]), "--json"])
     assert r.exit_code == 0, r.output
-    state = ServerState.load(run / STATE_DIR)
+    state = ServerState.load(RunFolder(run).server_state)
     assert state.round == 1 and set(state.clients) == {"a"}  # b was absent: no c_i entry changes
     pkt = Packet.load(packets[0])
     assert all(torch.equal(state.clients["a"][k], pkt.tensors[k]) for k in pkt.tensors)
@@ -119,13 +119,13 @@ def test_round_advances_and_absent_clients_keep_c_i(round0, tmp_path):
 
 def _round(run):
     try:
-        return json.loads((run / STATE_DIR / "state.json").read_text())["round"]
+        return json.loads((RunFolder(run).server_state / "state.json").read_text())["round"]
     except (OSError, ValueError):
         return None
 
 
 def _summary(run):
-    return json.loads((run / STATE_DIR / "state.json").read_text())["last_summary"]
+    return json.loads((RunFolder(run).server_state / "state.json").read_text())["last_summary"]
 
 
 def _cli(run, packets):
@@ -233,7 +233,7 @@ def test_the_fleet_drops_an_outlier_and_aggregates_the_others(round0, tmp_path):
     items = [(packets[0], open(packets[0], "rb").read()), ("b-poisoned", bad.to_bytes())]
     summary = aggregate_packets(run, items, drop_outliers=True)
     assert list(summary["dropped"]) == ["b"] and "refused as an outlier" in summary["dropped"]["b"]
-    assert summary["clients"] == ["a"] and set(ServerState.load(run / STATE_DIR).clients) == {"a"}
+    assert summary["clients"] == ["a"] and set(ServerState.load(RunFolder(run).server_state).clients) == {"a"}
     aggregate_packets(ref, items[:1])
     got, expected = _state_bytes(run), _state_bytes(ref)
     for name in ("consensus.safetensors", "messenger_lora.safetensors", "client_consensus.safetensors"):

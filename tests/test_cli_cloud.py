@@ -171,7 +171,7 @@ def test_prepare_from_a_config_file_with_flag_overrides(demo_dir, tmp_path):
     )
     assert s["messenger_depth"] == 2 and s["kept_layers"] == [0, 2, 5]
     run = json.loads((tmp_path / "r" / "run.json").read_text())
-    assert run["clients"] == ["a", "b"] and run["algorithm"] == "fedavg" and run["takd"]["seq_len"] == 64
+    assert run["client_ids"] == ["a", "b"] and run["algorithm"] == "fedavg" and run["takd"]["seq_len"] == 64
     manifest = Bundle.load(s["bundles"]["cpu-laptop"]).manifest
     # fedavg's round hyperparameters: no consensus correction, no look-ahead, plain averaging
     hp = manifest["hyperparameters"]

@@ -83,12 +83,12 @@ def test_paper_preset_means_the_same_to_prepare_and_simulate():
         "protocol-c",
     )
     run = RunConfig.from_dict({**prep, "public_data": "p.jsonl"}, strict=True)  # every key is the run's
-    assert run.clients == [] and run.round_hyperparams.local_steps == 10
+    assert run.client_ids == [] and run.round_hyperparams.local_steps == 10
 
 
 def test_prepare_takes_client_ids_and_simulate_refuses_prepare_keys(tmp_path):
     path = _toml(tmp_path, 'clients = 2\nclient_ids = ["a", "b"]\nprofile = "cpu-laptop"\nrounds = 4\n')
-    assert load_config(path, "prepare") == {"clients": ["a", "b"], "profiles": ["cpu-laptop"]}
+    assert load_config(path, "prepare") == {"client_ids": ["a", "b"], "profiles": ["cpu-laptop"]}
     with pytest.raises(ConfigError, match="`client_ids` is a key of `prepare`; `simulate` does not take it"):
         load_config(path, "simulate")
 
@@ -124,7 +124,7 @@ def test_prepare_with_the_paper_preset_then_aggregate(demo_dir, tmp_path):
     r = runner.invoke(cloud, [*args, *fast, "--seq-len", "64", "--takd-batch-size", "2", "--out", str(run)])
     assert r.exit_code == 0, r.output
     saved = json.loads((run / "run.json").read_text())
-    assert saved["clients"] == [] and saved["hyperparameters"]["local_steps"] == 10
+    assert saved["client_ids"] == [] and saved["hyperparameters"]["local_steps"] == 10
     assert (saved["takd"]["hidden_loss"], saved["takd"]["task_loss"], saved["gamma_schedule"]) == (
         "mse",
         "ce",
@@ -156,7 +156,7 @@ def test_simulate_with_the_paper_preset(demo_dir, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert (config["clients"], config["rounds"], config["gamma_schedule"]) == (2, 1, "protocol-c")
     run = json.loads((out / "run" / "run.json").read_text())
-    assert run["clients"] == ["client-00", "client-01"] and run["hyperparameters"]["local_steps"] == 1
+    assert run["client_ids"] == ["client-00", "client-01"] and run["hyperparameters"]["local_steps"] == 1
     assert (run["hyperparameters"]["eta"], run["takd"]["hidden_loss"], run["takd"]["task_loss"]) == (1e-4, "mse", "ce")
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["gamma"] for r in rounds if r["type"] == "round"] == [0.9]  # protocol C's gamma_0

@@ -8,7 +8,7 @@ import torch
 from fleet_harness import Fleet
 from test_simulate import _cfg as sim_cfg
 
-from ciders_cloud.prepare import STATE_DIR, bundle_path
+from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.study.simulate import SimConfig, prepare_study, simulate
 from ciders_edge.fleet.edge import PENDING
@@ -57,15 +57,15 @@ def test_fleet_matches_simulate_bit_exactly(demo_dir, tmp_path, fleet_factory):
     simulate(cfg, tmp_path / "sim")
     fleet, ids = fleet_factory(cfg)
     sim_run = tmp_path / "sim" / "run"
-    assert Bundle.load(bundle_path(fleet.run_dir, "cpu-laptop", 0)).bundle_id == (
-        Bundle.load(bundle_path(sim_run, "cpu-laptop", 0)).bundle_id
+    assert Bundle.load(RunFolder(fleet.run_dir).bundle("cpu-laptop", 0)).bundle_id == (
+        Bundle.load(RunFolder(sim_run).bundle("cpu-laptop", 0)).bundle_id
     )
     fleet.serve(rounds=3, min_clients=3, timeout=120)
     for cid in ids:
         fleet.join(cid, fleet.run_dir.parent / "data" / cid / "train.jsonl")
     assert fleet.wait("cloud", timeout=600) == 0, fleet.log("cloud")[-4000:]
 
-    got, want = ServerState.load(fleet.run_dir / STATE_DIR), ServerState.load(sim_run / STATE_DIR)
+    got, want = (ServerState.load(RunFolder(r).server_state) for r in (fleet.run_dir, sim_run))
     assert got.round == want.round == 3
     for part in ("messenger", "consensus", "backbone"):  # v, c and the learnable-backbone LoRA
         assert _equal(getattr(got, part), getattr(want, part)), part
@@ -78,7 +78,7 @@ def test_fleet_matches_simulate_bit_exactly(demo_dir, tmp_path, fleet_factory):
     assert [r["clients"] for r in rounds] == [ids] * 3
     clients = [r for r in log if r["type"] == "client"]
     assert all(r["status"] == "aggregated" for r in clients)
-    full = Bundle.load(bundle_path(fleet.run_dir, "cpu-laptop", 0))
+    full = Bundle.load(RunFolder(fleet.run_dir).bundle("cpu-laptop", 0))
     full_bytes = full.delta_bytes(None)
     sent = {(r["round"], r["client"]): r for r in clients}
     for cid in ids:
@@ -108,7 +108,7 @@ def test_fleet_survives_a_dead_edge_and_a_cloud_restart(demo_dir, fleet_factory)
     rounds = [r for r in fleet.fleet_log() if r["type"] == "round"]
     assert [(r["round"], r["clients"]) for r in rounds] == [(0, [a, b]), (1, [a]), (2, [a, b])]
     assert rounds[1]["left_out"] == [b]
-    server = ServerState.load(fleet.run_dir / STATE_DIR)
+    server = ServerState.load(RunFolder(fleet.run_dir).server_state)
     assert server.round == 3
     _check_edges_agree(fleet, [a, b], server)
     assert ClientState.load(fleet.state(b)).counters["rounds"] == 2  # rounds 0 and 2

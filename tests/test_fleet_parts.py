@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.fleet.certs import make_certs
-from ciders_cloud.fleet.coordinator import NODES_DIR, Coordinator, Edge, edge_report
-from ciders_cloud.prepare import STATE_DIR
+from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report
+from ciders_cloud.run_folder import RunFolder
 from ciders_edge.cli import app as edge_cli
 from ciders_edge.errors import BundleError, ConfigError, PacketError, StateError
 from ciders_edge.fleet.bundle_sync import files_to_ship, held_files, install_bundle
@@ -37,10 +37,10 @@ def run0(tmp_path_factory, demo_dir):
 
     root = tmp_path_factory.mktemp("fleet-parts")
     prepare(fast_run_config(demo_dir), root / "run")
-    (root / "run" / NODES_DIR).mkdir()
+    RunFolder(root / "run").nodes.mkdir()
     for cid in ("a", "b"):
         _, pub = ensure_node_key(root / f"edge-{cid}")
-        shutil.copy(pub, root / "run" / NODES_DIR / f"{cid}.pub")
+        shutil.copy(pub, RunFolder(root / "run").node_key(cid))
         bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
         train(bundle, demo_dir / "dates" / "train.jsonl", root / f"state-{cid}", root / f"{cid}.pkt", client_id=cid)
     return root
@@ -184,7 +184,7 @@ def test_edges_are_known_by_their_registered_key_only(run0, tmp_path):
 def test_packet_from_another_client_or_round_is_refused_and_changes_nothing(run0, tmp_path):
     shutil.copytree(run0 / "run", tmp_path / "run")
     co = Coordinator(tmp_path / "run")
-    before = {p.name: p.read_bytes() for p in (tmp_path / "run" / STATE_DIR).iterdir()}
+    before = {p.name: p.read_bytes() for p in RunFolder(tmp_path / "run").server_state.iterdir()}
     packet = (run0 / "a.pkt").read_bytes()
     co.check(Edge(3, "a"), packet)  # the right node: accepted
     with pytest.raises(PacketError, match="packet claims client 'a', the node is 'b'"):
@@ -192,7 +192,7 @@ def test_packet_from_another_client_or_round_is_refused_and_changes_nothing(run0
     co.close_round({Edge(3, "a"): packet})
     with pytest.raises(PacketError, match="packet is for round 0, the server is at round 1"):
         co.check(Edge(3, "a"), packet)
-    after = {p.name: p.read_bytes() for p in (tmp_path / "run" / STATE_DIR).iterdir()}
+    after = {p.name: p.read_bytes() for p in RunFolder(tmp_path / "run").server_state.iterdir()}
     assert after != before and co.round == 1
     assert Coordinator(tmp_path / "run").round == 1
 
@@ -207,7 +207,7 @@ def test_packet_from_another_client_or_round_is_refused_and_changes_nothing(run0
 )
 def test_a_bad_node_key_file_is_refused(run0, tmp_path, name, content, message):
     shutil.copytree(run0 / "run", tmp_path / "run")
-    nodes = tmp_path / "run" / NODES_DIR
+    nodes = RunFolder(tmp_path / "run").nodes
     (nodes / name).write_text(content if content is not None else (nodes / "a.pub").read_text())
     with pytest.raises(ConfigError, match=message):
         Coordinator(tmp_path / "run")
@@ -264,7 +264,7 @@ def test_node_key_is_made_once_and_kept_private(tmp_path):
 def test_serve_bad_inputs_are_one_line_errors(run0, tmp_path, args, message):
     shutil.copytree(run0 / "run", tmp_path / "run")
     if not args:
-        shutil.rmtree(tmp_path / "run" / NODES_DIR)
+        shutil.rmtree(RunFolder(tmp_path / "run").nodes)
         args = ["--min-clients", "3"]
     r = runner.invoke(cloud, ["serve", "--run", str(tmp_path / "run"), "--rounds", "2", *args])
     assert r.exit_code == 1 and message in " ".join(r.output.split()), r.output

@@ -18,7 +18,7 @@ import pytest
 from fleet_harness import BIN, Fleet
 
 from ciders_cloud.fleet import serve as serve_mod
-from ciders_cloud.fleet.serve import APP_DIR, CONNECTION, ServeOptions, control_address
+from ciders_cloud.fleet.serve import APP_DIR, CONNECTION, ServeSettings, control_address
 from ciders_cloud.fleet.superlink import fleet_paths
 from ciders_edge.fleet.executor import APP_COMPONENTS, APP_NAME, APP_PUBLISHER, fab_refusal
 from ciders_edge.fleet.join import flower_env
@@ -32,12 +32,12 @@ def superlink(tmp_path):
     home (serve's, on the loopback Control API) and a Fleet harness for edges."""
     run_dir = tmp_path / "run"
     fleet = Fleet(run_dir, tmp_path)  # TLS material in RUN/certs, two free ports in a row
-    opts = ServeOptions(run_dir, rounds=1, address=f"127.0.0.1:{fleet.port}")
+    opts = ServeSettings(run_dir, rounds=1, address=f"127.0.0.1:{fleet.port}")
     tls = serve_mod._tls(opts)
     (run_dir / "fleet").mkdir()
     env = serve_mod._flower_home(run_dir / "fleet" / "flwr", opts, tls)
     try:
-        with serve_mod._superlink(opts, run_dir / "fleet", env, tls):
+        with serve_mod._superlink(opts, env, tls):
             yield SimpleNamespace(fleet=fleet, opts=opts, env=env, ca=tls["ca"])
     finally:
         fleet.close()

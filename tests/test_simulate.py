@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ciders_cloud.prepare import STATE_DIR
 from ciders_cloud.rounds import hypergradient_packets
+from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import STRATEGIES
 from ciders_cloud.study.simulate import SimConfig, simulate
@@ -56,7 +56,7 @@ def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm):
     cross = [r for r in rows if r["type"] == "cross"]
     assert len(cross) == 3 and len(cross[-1]["matrix"]) == 3
     assert summary["delta_cross"] == pytest.approx(cross[-1]["delta_cross"])
-    state = ServerState.load(out / "run" / STATE_DIR)
+    state = ServerState.load(RunFolder(out / "run").server_state)
     assert state.round == 3
     if algorithm == "localot":  # nothing is aggregated: v is still the prepared one
         assert all(r["v_change"] == 0.0 for r in rows if r["type"] == "round")
@@ -70,7 +70,7 @@ def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm):
 
 def _check_bilevel_rounds(out, rows, algorithm):
     """FedNest pays a probe exchange (up: grad_x, grad_y; down: h); LFedNest one fatter packet."""
-    state = ServerState.load(out / "run" / STATE_DIR)
+    state = ServerState.load(RunFolder(out / "run").server_state)
     rounds = [r for r in rows if r["type"] == "round"]
     assert all(r["hvp"] == "autograd" and r["neumann_terms"] == 3 and r["neumann_l"] == 50.0 for r in rounds)
     assert all(r["indirect_norm"] > 0 for r in rounds)
@@ -96,8 +96,8 @@ def test_ciders_with_everything_off_is_exactly_fedavg(demo_dir, tmp_path):
     off = {"gamma": 0.0, "eps_prox": 0.0, "eta_in": 0.0, "tau": 1.0, "takd_steps": 0}
     simulate(_cfg(demo_dir, algorithm="ciders-fo", rounds=2, eval_generate=0, hyperparameters=off), tmp_path / "c")
     simulate(_cfg(demo_dir, algorithm="fedavg", rounds=2, eval_generate=0), tmp_path / "f")
-    a = ServerState.load(tmp_path / "c" / "run" / STATE_DIR)
-    b = ServerState.load(tmp_path / "f" / "run" / STATE_DIR)
+    a = ServerState.load(RunFolder(tmp_path / "c" / "run").server_state)
+    b = ServerState.load(RunFolder(tmp_path / "f" / "run").server_state)
     assert a.messenger.keys() == b.messenger.keys()
     assert all(torch.equal(a.messenger[k], b.messenger[k]) for k in a.messenger)
     assert all(torch.equal(a.backbone[k], b.backbone[k]) for k in a.backbone)
@@ -128,7 +128,6 @@ def test_per_file_evaluation_data_is_each_clients_own_file(demo_dir, tmp_path):
 def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
     """The round-0 baseline (AdapEmu and base model) and each personalized messenger on AdapFu, as a
     direct computation on the same held-out examples gives them."""
-    from ciders_cloud.prepare import bundle_path
     from ciders_edge.data.records import load_examples
     from ciders_edge.formats.bundle import Bundle
     from ciders_edge.inference.evaluate import response_nll
@@ -140,7 +139,7 @@ def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
     baseline = {r["client"]: r for r in rows if r["type"] == "baseline"}
     evals = {r["client"]: r for r in rows if r["type"] == "eval"}
     assert set(baseline) == set(evals) == {"client-00", "client-01", "client-02"}
-    round0, round1 = (Bundle.load(bundle_path(out / "run", "cpu-laptop", t)) for t in (0, 1))
+    round0, round1 = (Bundle.load(RunFolder(out / "run").bundle("cpu-laptop", t)) for t in (0, 1))
     for cid in ("client-00", "client-02"):
         held = out / "data" / cid / "eval.jsonl"
         base, _ = load_personalized(round0, None, messenger="base", backbone="full")

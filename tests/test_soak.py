@@ -46,7 +46,7 @@ def _hostile(valid: Packet, out) -> dict[str, list[str]]:
 
 
 def test_soak_of_valid_replayed_and_hostile_packets(tmp_path, demo_dir):
-    run = fast_run_config(demo_dir, clients=["a", "b"], hyperparameters={"takd_steps": 2})
+    run = fast_run_config(demo_dir, client_ids=["a", "b"], hyperparameters={"takd_steps": 2})
     prepare(run, tmp_path / "run")
     bundle = tmp_path / "run" / "bundles" / "cpu-laptop" / "round-0000"
     for cid, fam in (("a", "dates"), ("b", "code")):

@@ -11,10 +11,10 @@ from test_simulate import _cfg as sim_cfg
 from typer.testing import CliRunner
 
 import ciders_cloud.study.report as report_module
-import ciders_cloud.study.simulate as simulate_module
+import ciders_cloud.study.round_loop as round_loop_module
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.lock import LOCK_FILE as BUILDING
 from ciders_cloud.prepare import load_run
+from ciders_cloud.run_folder import LOCK_FILE as BUILDING
 from ciders_cloud.study.report import report
 from ciders_cloud.study.simulate import simulate
 from ciders_edge.errors import ConfigError, PacketError
@@ -29,7 +29,7 @@ def test_a_simulate_failing_mid_round_leaves_no_out_and_its_rerun_works(demo_dir
     def lost(*args, **kwargs):
         raise PacketError("a packet was lost")
 
-    monkeypatch.setattr(simulate_module, "train", lost)  # round 0, after prepare
+    monkeypatch.setattr(round_loop_module, "train", lost)  # round 0, after prepare
     with pytest.raises(PacketError, match="lost"):
         simulate(cfg, out)
     assert list(tmp_path.iterdir()) == []  # neither --out nor a staging folder

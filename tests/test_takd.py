@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from ciders_cloud.bootstrap import LayerAligner, gap_layers, gap_parameters
 from ciders_cloud.config import RunConfig, TakdConfig
 from ciders_cloud.fidelity import measure_fidelity
-from ciders_cloud.prepare import STATE_DIR, load_cloud_models, load_run
+from ciders_cloud.prepare import load_cloud_models, load_run
+from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.takd import Distiller, hidden_term, public_split, takd_loss, task_term
 from ciders_cloud.teacher import build_cloud_models
@@ -130,7 +131,7 @@ def test_layer_fits_train_only_the_gap_layers_and_lower_their_loss(tiny_path, de
 def test_fidelity_equals_a_direct_computation(tiny_run):
     run_dir = tiny_run[0]
     run = load_run(run_dir)
-    models = load_cloud_models(run_dir, run, ServerState.load(run_dir / STATE_DIR))
+    models = load_cloud_models(run_dir, run, ServerState.load(RunFolder(run_dir).server_state))
     _, held = public_split(run, models.tokenizer)
     held = held[:3]
     f = measure_fidelity(models, held, batch_size=2)
@@ -153,7 +154,7 @@ def test_fidelity_equals_a_direct_computation(tiny_run):
 def test_distill_trains_only_the_backbone_lora(tiny_run):
     run_dir = tiny_run[0]
     run = load_run(run_dir)
-    state = ServerState.load(run_dir / STATE_DIR)
+    state = ServerState.load(RunFolder(run_dir).server_state)
     models = load_cloud_models(run_dir, run, state)
     examples, _ = public_split(run, models.tokenizer)
     before_v, before_b = models.messenger_state(), models.backbone_state()

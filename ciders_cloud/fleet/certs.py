@@ -18,19 +18,18 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from ciders_cloud.run_folder import CertsFolder
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import write_bytes
 
-__all__ = ["make_certs", "CA_CERT", "SERVER_CERT", "SERVER_KEY"]
-
-CA_CERT, CA_KEY = "ca.crt", "ca.key"
-SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
+__all__ = ["make_certs"]
 
 
 def make_certs(out: Path, hosts: list[str], days: int = 365, ca_key: Path | None = None) -> dict:
     """Write ``ca.crt`` and ``server.pem``/``server.key`` under ``out``, and the CA key to ``ca_key``
     (``None``: discarded once the server certificate is signed); refuse to overwrite."""
-    if any((out / f).exists() for f in (CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY)):
+    folder = CertsFolder(out)
+    if any(p.exists() for p in (folder.ca, folder.ca_key, folder.server_cert, folder.server_key)):
         raise ConfigError(f"{out}: already holds certificates; choose a new --out or delete them")
     if ca_key is not None and (ca_key.exists() or ca_key.resolve().is_relative_to(out.resolve())):
         raise ConfigError(f"--ca-key {ca_key}: exists already, or lies inside --out {out}; keep the CA key elsewhere")
@@ -54,15 +53,15 @@ def make_certs(out: Path, hosts: list[str], days: int = 365, ca_key: Path | None
     )
     if ca_key is not None:
         _write_key(ca_key, ca_signing_key)
-    _write_key(out / SERVER_KEY, key)
-    write_bytes(out / CA_CERT, ca.public_bytes(serialization.Encoding.PEM))
-    write_bytes(out / SERVER_CERT, server.public_bytes(serialization.Encoding.PEM))
+    _write_key(folder.server_key, key)
+    write_bytes(folder.ca, ca.public_bytes(serialization.Encoding.PEM))
+    write_bytes(folder.server_cert, server.public_bytes(serialization.Encoding.PEM))
     return {
         "out": str(out),
         "hosts": names,
         "days": days,
-        "ca": str(out / CA_CERT),
-        "server": str(out / SERVER_CERT),
+        "ca": str(folder.ca),
+        "server": str(folder.server_cert),
         "ca_key": str(ca_key) if ca_key is not None else None,
     }
 

@@ -17,20 +17,19 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
-from ciders_cloud.prepare import STATE_DIR, bundle_path, load_run
-from ciders_cloud.rounds import CLIENT_ID, aggregate_packets, check_packets, read_packets
+from ciders_cloud.intake import CLIENT_ID, check_packets, read_packets
+from ciders_cloud.prepare import load_run
+from ciders_cloud.rounds import aggregate_packets
+from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for
 from ciders_edge.errors import CidersError, ConfigError, PacketError
 from ciders_edge.fleet.bundle_sync import files_to_ship
 from ciders_edge.fleet.protocol import consensus_digest
+from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import MANIFEST, Bundle
 
-__all__ = ["Coordinator", "Edge", "NODES_DIR", "FLEET_DIR", "FLEET_LOG", "node_keys"]
-
-NODES_DIR = "nodes"  # <client-id>.pub: the edges allowed into this run
-FLEET_DIR = "fleet"  # SuperLink database, Flower home, logs
-FLEET_LOG = "log.jsonl"
+__all__ = ["Coordinator", "Edge", "node_keys"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class Edge:
 def node_keys(run_dir: Path, allowed: list[str] | None = None) -> dict[bytes, str]:
     """``{public key (PEM, as Flower reports it): client id}`` from ``RUN/nodes/*.pub``."""
     keys: dict[bytes, str] = {}
-    for path in sorted((run_dir / NODES_DIR).glob("*.pub")):
+    for path in RunFolder(run_dir).node_keys():
         if not CLIENT_ID.fullmatch(path.stem) or (allowed and path.stem not in allowed):
             why = (
                 "letters, digits, . _ -"
@@ -66,9 +65,10 @@ class Coordinator:
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
+        self.folder = RunFolder(run_dir)
         self.run = load_run(self.run_dir)
-        self.keys = node_keys(self.run_dir, self.run.clients)
-        self.state = ServerState.load(self.run_dir / STATE_DIR)
+        self.keys = node_keys(self.run_dir, self.run.client_ids)
+        self.state = ServerState.load(self.folder.server_state)
         self.started = self.state.round  # where this ServerApp took the run up
         self._bundles: dict[str, Bundle] = {}  # this round's, verified once
         self._bytes: dict[tuple[str, str], bytes] = {}  # their files, read once for every edge
@@ -121,7 +121,7 @@ class Coordinator:
             for e in sorted(packets, key=lambda e: e.client_id)
         ]
         summary = aggregate_packets(self.run_dir, items, drop_outliers=True)
-        self.state = ServerState.load(self.run_dir / STATE_DIR)
+        self.state = ServerState.load(self.folder.server_state)
         self._bundles, self._bytes = {}, {}
         return summary
 
@@ -132,15 +132,12 @@ class Coordinator:
 
     def bundle(self, profile: str) -> Bundle:
         if profile not in self._bundles:
-            self._bundles[profile] = Bundle.load(bundle_path(self.run_dir, profile, self.round))
+            self._bundles[profile] = Bundle.load(self.folder.bundle(profile, self.round))
         return self._bundles[profile]
 
     def log(self, records: list[dict]) -> None:
-        path = self.run_dir / FLEET_DIR / FLEET_LOG
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            for r in records:
-                f.write(json.dumps({"time": time.time(), **r}) + "\n")
+        """Add ``records`` to ``RUN/fleet/log.jsonl``, each stamped with the time."""
+        append_jsonl(self.folder.fleet_log, [{"time": time.time(), **r} for r in records])
 
 
 MAX_REPORT = 1 << 16  # bytes of an edge's summary JSON

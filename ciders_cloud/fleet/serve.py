@@ -20,25 +20,32 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ciders_cloud.fleet.certs import CA_CERT, SERVER_CERT, SERVER_KEY
-from ciders_cloud.fleet.coordinator import FLEET_DIR, FLEET_LOG, NODES_DIR, node_keys
+from ciders_cloud.fleet.coordinator import node_keys
 from ciders_cloud.fleet.superlink import GRPC_SWITCHES, LOOPBACK
-from ciders_cloud.prepare import STATE_DIR, load_run
+from ciders_cloud.prepare import load_run
+from ciders_cloud.run_folder import CertsFolder, RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.join import flower_env, flower_tool, stop_on_sigterm
 from ciders_edge.progress import console
 
-__all__ = ["ServeOptions", "serve", "control_address"]
+__all__ = ["ServeSettings", "serve", "control_address"]
 
 APP_DIR = Path(__file__).parent / "app"
 CONNECTION = "ciders"
 
 
 @dataclass(frozen=True)
-class ServeOptions:
+class ServeSettings:
+    """What ``serve`` runs: its flags on this side of ``flwr run``, its run config on the ServerApp's.
+
+    :meth:`to_run_config` and :meth:`from_run_config` carry ``run_dir``, ``rounds``, ``min_clients`` and
+    ``round_timeout`` across (keys as in the app's pyproject.toml); the SuperLink's address, the
+    certificates and ``connect`` concern serve alone, so the ServerApp sees their defaults.
+    """
+
     run_dir: Path
-    rounds: int
+    rounds: int  # total rounds of the run: a restarted serve goes on to the same number
     min_clients: int = 1
     address: str = "0.0.0.0:9092"  # where the SuperLink's Fleet API listens for edges (nothing else there)
     round_timeout: float = 600.0
@@ -56,6 +63,19 @@ class ServeOptions:
                 f"--address {self.address!r}: the port must be 1..65534 (the next one is the Control API's)"
             )
 
+    def to_run_config(self) -> str:
+        """The value of ``flwr run --run-config`` (TOML values; the run folder as an absolute path)."""
+        return (
+            f"run-dir={json.dumps(str(self.run_dir.resolve()))} rounds={self.rounds} "
+            f"min-clients={self.min_clients} round-timeout={float(self.round_timeout)}"
+        )
+
+    @classmethod
+    def from_run_config(cls, rc) -> ServeSettings:
+        """The settings from the ServerApp's ``context.run_config`` (what :meth:`to_run_config` sent)."""
+        run_dir, rounds, min_clients = Path(str(rc["run-dir"])), int(rc["rounds"]), int(rc["min-clients"])
+        return cls(run_dir, rounds, min_clients, round_timeout=float(rc["round-timeout"]))
+
 
 def control_address(address: str) -> tuple[str, int]:
     """Where the SuperLink serving the Fleet API on ``address`` has its Control and Runtime APIs:
@@ -63,44 +83,43 @@ def control_address(address: str) -> tuple[str, int]:
     return LOOPBACK, int(address.rpartition(":")[2]) + 1
 
 
-def serve(opts: ServeOptions) -> dict:
+def serve(opts: ServeSettings) -> dict:
     """Run the fleet until the run has ``opts.rounds`` completed rounds; returns the per-round bytes."""
-    run_dir = opts.run_dir
+    run_dir, folder = opts.run_dir, RunFolder(opts.run_dir)
     load_run(run_dir)
-    start = ServerState.load(run_dir / STATE_DIR).round
+    start = ServerState.load(folder.server_state).round
     keys = node_keys(run_dir)
     if len(keys) < opts.min_clients:
         raise ConfigError(
-            f"{run_dir / NODES_DIR}: {len(keys)} edge keys for --min-clients {opts.min_clients}; "
+            f"{folder.nodes}: {len(keys)} edge keys for --min-clients {opts.min_clients}; "
             "copy each edge's node-key.pub there as <client-id>.pub"
         )
     tls = _tls(opts)
     stop_on_sigterm()
     if start < opts.rounds:
-        fleet = run_dir / FLEET_DIR
-        env = _flower_home(fleet / "flwr", opts, tls)
-        with _superlink(opts, fleet, env, tls):
+        env = _flower_home(folder.flower_home, opts, tls)
+        with _superlink(opts, env, tls):
             _register(run_dir, env)
             _run_app(opts, env)
-    summary = _summary(run_dir, start, opts.rounds)
+    summary = _summary(folder, start, opts.rounds)
     if not summary["complete"]:  # `flwr run --stream` exits 0 whatever became of the run
         raise StateError(
             f"the fleet stopped at round {summary['round']} of {opts.rounds} (the ServerApp's log is above and in "
-            f"{run_dir / FLEET_DIR / 'superlink.log'}); run serve again to resume there"
+            f"{folder.superlink_log}); run serve again to resume there"
         )
     return summary
 
 
-def _tls(opts: ServeOptions) -> dict[str, Path]:
-    certs = opts.certs or opts.run_dir / "certs"
-    files = {"ca": certs / CA_CERT, "cert": certs / SERVER_CERT, "key": certs / SERVER_KEY}
+def _tls(opts: ServeSettings) -> dict[str, Path]:
+    certs = CertsFolder(opts.certs) if opts.certs else RunFolder(opts.run_dir).certs
+    files = {"ca": certs.ca, "cert": certs.server_cert, "key": certs.server_key}
     missing = [str(p) for p in files.values() if not p.is_file()]
     if missing:
-        raise ConfigError(f"{missing[0]}: missing; make TLS material with `ciders-cloud certs --out {certs}`")
+        raise ConfigError(f"{missing[0]}: missing; make TLS material with `ciders-cloud certs --out {certs.root}`")
     return files
 
 
-def _flower_home(home: Path, opts: ServeOptions, tls: dict[str, Path]) -> dict[str, str]:
+def _flower_home(home: Path, opts: ServeSettings, tls: dict[str, Path]) -> dict[str, str]:
     """A Flower home for this run whose one connection is our SuperLink; the env to run Flower's tools in."""
     home.mkdir(parents=True, exist_ok=True)
     host, port = control_address(opts.address)
@@ -115,7 +134,8 @@ def _flower_home(home: Path, opts: ServeOptions, tls: dict[str, Path]) -> dict[s
 
 
 @contextmanager
-def _superlink(opts: ServeOptions, fleet: Path, env: dict[str, str], tls: dict[str, Path]) -> Iterator[None]:
+def _superlink(opts: ServeSettings, env: dict[str, str], tls: dict[str, Path]) -> Iterator[None]:
+    folder = RunFolder(opts.run_dir)
     host, _, port = opts.address.rpartition(":")
     chost, cport = control_address(opts.address)
     if opts.connect:
@@ -127,12 +147,12 @@ def _superlink(opts: ServeOptions, fleet: Path, env: dict[str, str], tls: dict[s
             raise StateError(f"{h}:{p}: something already listens there; stop it, or pass --connect to use it")
     cmd = [sys.executable, "-m", "ciders_cloud.fleet.superlink", "--public", opts.address]
     cmd += ["--host", chost, "--port", str(cport), "--enable-supernode-auth"]
-    cmd += ["--database", str((fleet / "superlink.db").resolve()), "--disable-runtime-dependency-installation"]
+    cmd += ["--database", str(folder.superlink_db.resolve()), "--disable-runtime-dependency-installation"]
     cmd += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
-    log = (fleet / "superlink.log").open("ab")
+    log = folder.superlink_log.open("ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        what = f"the SuperLink (log: {fleet / 'superlink.log'})"
+        what = f"the SuperLink (log: {folder.superlink_log})"
         _wait_for_port(chost, cport, 60.0, what, proc)
         _wait_for_port(host, int(port), 10.0, what, proc)
         console.print(
@@ -175,7 +195,7 @@ def _wait_for_port(host: str, port: int, timeout: float, what: str, proc: subpro
 
 def _register(run_dir: Path, env: dict[str, str]) -> None:
     """Register every edge key of ``RUN/nodes`` with the SuperLink (a key registered before is fine)."""
-    for pub in sorted((run_dir / NODES_DIR).glob("*.pub")):
+    for pub in RunFolder(run_dir).node_keys():
         cmd = [
             flower_tool("flwr"),
             "supernode",
@@ -192,13 +212,9 @@ def _register(run_dir: Path, env: dict[str, str]) -> None:
             raise StateError(f"{pub}: the SuperLink refused to register it: {_last_line(out.stdout + out.stderr)}")
 
 
-def _run_app(opts: ServeOptions, env: dict[str, str]) -> None:
+def _run_app(opts: ServeSettings, env: dict[str, str]) -> None:
     """``flwr run`` the fleet app and stream its log until the run ends; fail if it did not finish."""
-    config = (
-        f"run-dir={json.dumps(str(opts.run_dir.resolve()))} rounds={opts.rounds} "
-        f"min-clients={opts.min_clients} round-timeout={float(opts.round_timeout)}"
-    )
-    cmd = [flower_tool("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config", config, "--stream"]
+    cmd = [flower_tool("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config", opts.to_run_config(), "--stream"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -208,10 +224,10 @@ def _run_app(opts: ServeOptions, env: dict[str, str]) -> None:
         raise StateError(f"flwr run exited with code {proc.returncode}; the run folder holds the last completed round")
 
 
-def _summary(run_dir: Path, start: int, rounds: int) -> dict:
+def _summary(folder: RunFolder, start: int, rounds: int) -> dict:
     """What this serve did, from the run folder: the round reached and each client-round's bytes."""
-    end = ServerState.load(run_dir / STATE_DIR).round
-    log = run_dir / FLEET_DIR / FLEET_LOG
+    end = ServerState.load(folder.server_state).round
+    log = folder.fleet_log
     records = []
     for line in log.read_text().splitlines() if log.is_file() else []:
         try:
@@ -220,7 +236,7 @@ def _summary(run_dir: Path, start: int, rounds: int) -> dict:
             continue
     mine = [r for r in records if r["round"] >= start]
     return {
-        "run": str(run_dir),
+        "run": str(folder.root),
         "started_at_round": start,
         "round": end,
         "rounds": rounds,

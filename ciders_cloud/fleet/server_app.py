@@ -13,7 +13,6 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -21,7 +20,9 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from ciders_cloud.fleet.coordinator import FLEET_DIR, Coordinator, Edge, edge_report, refusal
+from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report, refusal
+from ciders_cloud.fleet.serve import ServeSettings
+from ciders_cloud.run_folder import RunFolder
 from ciders_edge.errors import CidersError, StateError
 from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
 
@@ -30,9 +31,9 @@ MAX_EMPTY_ROUNDS = 3  # rounds in a row without an accepted packet before the ru
 
 
 @contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
+def serverapp_lock(run_dir: Path) -> Iterator[None]:
     """One ServerApp per run folder: a second one (a second `serve --connect`) is refused."""
-    path = run_dir / FLEET_DIR / "serverapp.lock"
+    path = RunFolder(run_dir).serverapp_lock
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         try:
@@ -42,24 +43,10 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         yield
 
 
-@dataclass(frozen=True)
-class ServeSettings:
-    """The run config ``serve`` passes to ``flwr run`` (keys as in the app's pyproject.toml)."""
-
-    run_dir: Path
-    rounds: int  # total rounds of the run: a restarted serve goes on to the same number
-    min_clients: int
-    round_timeout: float
-
-    @classmethod
-    def from_run_config(cls, rc) -> ServeSettings:
-        return cls(Path(str(rc["run-dir"])), int(rc["rounds"]), int(rc["min-clients"]), float(rc["round-timeout"]))
-
-
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     s = ServeSettings.from_run_config(context.run_config)
-    with run_lock(s.run_dir):
+    with serverapp_lock(s.run_dir):
         co = Coordinator(s.run_dir)
         log(INFO, "CIDERS fleet: %s at round %d of %d, %d edge keys", s.run_dir, co.round, s.rounds, len(co.keys))
         empty = 0

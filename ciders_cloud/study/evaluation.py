@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import mean
 
+from ciders_cloud.config import SimConfig
+from ciders_cloud.run_folder import StudyFolder
 from ciders_edge.data.records import load_examples, read_jsonl, to_chat
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
@@ -34,11 +36,13 @@ def delta_cross(matrix: list[list[float]]) -> float:
     return mean(off) - mean(diag) if off else 0.0
 
 
-def _eval_examples(out: Path, cid: str, tokenizer, cfg) -> list:
-    return load_examples(out / "data" / cid / "eval.jsonl", tokenizer, 512)[: cfg.eval_examples]
+def _eval_examples(study: StudyFolder, cid: str, tokenizer, cfg: SimConfig) -> list:
+    return load_examples(study.eval_data(cid), tokenizer, 512)[: cfg.eval_examples]
 
 
-def evaluate_baseline(bundle_dir: Path, out: Path, ids: list[str], domains: dict[str, str], cfg) -> list[dict]:
+def evaluate_baseline(
+    bundle_dir: Path, study: StudyFolder, ids: list[str], domains: dict[str, str], cfg: SimConfig
+) -> list[dict]:
     """Before any training: each client's held-out NLL on the round-0 AdapEmu and on the base model
     (AdapFu with the round-0 messenger, which is the base model's own)."""
     bundle = Bundle.load(bundle_dir)
@@ -48,13 +52,15 @@ def evaluate_baseline(bundle_dir: Path, out: Path, ids: list[str], domains: dict
         rec = {"type": "baseline", "round": -1, "client": cid, "domain": domains[cid]}
         for name, edge in models:
             rec[f"nll_{name}"] = messenger_nll(
-                edge, backbone_batches(edge, _eval_examples(out, cid, edge.tokenizer, cfg))
+                edge, backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
             )
         records.append(rec)
     return records
 
 
-def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[str, str], cfg) -> dict:
+def evaluate_round(
+    bundle_dir: Path, study: StudyFolder, ids: list[str], domains: dict[str, str], cfg: SimConfig
+) -> dict:
     """Score every client on its held-out data; the matrix when clients hold different domains."""
     edge = load_edge_model(Bundle.load(bundle_dir))
     v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
@@ -63,15 +69,15 @@ def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[st
         task = bar.add_task(f"round {round_} evaluation", total=2 * len(ids), metrics="")
         evals = {}  # through the shared backbone once: each row of the matrix only swaps the messenger
         for cid in ids:
-            evals[cid] = backbone_batches(edge, _eval_examples(out, cid, edge.tokenizer, cfg))
+            evals[cid] = backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
             bar.update(task, advance=1, metrics=f"backbone pass {cid}")
         records, matrix = [], []
         for cid in ids:
-            record, row = _client_record(edge, v, evals, out, cid, ids, cfg)
+            record, row = _client_record(edge, v, evals, study, cid, ids, cfg)
             records.append({"type": "eval", "round": round_, "client": cid, "domain": domains[cid], **record})
             matrix.append(row)
             bar.update(task, advance=1, metrics=f"{cid} NLL {records[-1]['nll_personal']:.3f}")
-    full = _adapfu_nll(edge.bundle, out, ids, cfg)
+    full = _adapfu_nll(edge.bundle, study, ids, cfg)
     for rec in records:
         rec.update(full.get(rec["client"], {}))
     cross = delta_cross(matrix) if len(set(domains.values())) > 1 else None
@@ -95,35 +101,35 @@ def evaluate_round(bundle_dir: Path, out: Path, ids: list[str], domains: dict[st
     }
 
 
-def _adapfu_nll(bundle: Bundle, out: Path, ids: list[str], cfg) -> dict[str, dict]:
+def _adapfu_nll(bundle: Bundle, study: StudyFolder, ids: list[str], cfg: SimConfig) -> dict[str, dict]:
     """Each client's personalized (and the global) messenger on AdapFu, on its own held-out data."""
     if not bundle.has_full_backbone:
         return {}
     edge = load_adapfu(bundle)
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
-    out_ = {}
+    scores = {}
     for cid in ids:
-        batches = backbone_batches(edge, _eval_examples(out, cid, edge.tokenizer, cfg))
+        batches = backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
         edge.use_messenger(v)
         nll_global = messenger_nll(edge, batches)
-        state = ClientState.load(out / "clients" / cid)
+        state = ClientState.load(study.client_state(cid))
         edge.use_messenger(state.personalized if state is not None and state.personalized else v)
-        out_[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
-    return out_
+        scores[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
+    return scores
 
 
 def _client_record(
-    edge: EdgeModel, v: dict, evals: dict, out: Path, cid: str, ids: list[str], cfg
+    edge: EdgeModel, v: dict, evals: dict, study: StudyFolder, cid: str, ids: list[str], cfg: SimConfig
 ) -> tuple[dict, list[float]]:
     """One client's scores, and its matrix row: its personalized messenger on every client's data."""
-    state = ClientState.load(out / "clients" / cid)
+    state = ClientState.load(study.client_state(cid))
     personal = state.personalized if state is not None and state.personalized else v
     edge.use_messenger(v)
     nll_global = messenger_nll(edge, evals[cid])
     edge.use_messenger(personal)
     row = [messenger_nll(edge, evals[other]) for other in ids]
     nll_personal = row[ids.index(cid)]
-    rouge, em = _generation_scores(edge, out / "data" / cid / "eval.jsonl", cfg.eval_generate)
+    rouge, em = _generation_scores(edge, study.eval_data(cid), cfg.eval_generate)
     record = {
         "nll_personal": nll_personal,
         "nll_global": nll_global,

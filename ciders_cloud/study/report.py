@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from ciders_cloud.run_folder import ReportFolder, StudyFolder
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import fsync_tree, replace_dir, staging_dir
 
@@ -19,9 +20,10 @@ __all__ = ["report", "load_metrics"]
 
 
 def load_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
+    """The records of the study ``run`` (a ``simulate`` output folder)."""
+    path = StudyFolder(run).metrics
     if not path.is_file():
-        raise ConfigError(f"{run}: no metrics.jsonl (is it a `ciders-cloud simulate` output folder?)")
+        raise ConfigError(f"{run}: no {path.name} (is it a `ciders-cloud simulate` output folder?)")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -51,7 +53,7 @@ def report(runs: list[str | Path], out: str | Path) -> dict:
     _check_out(out)
     staging = staging_dir(out)
     try:
-        files = _draw(staging, data, labels)
+        files = _draw(ReportFolder(staging), data, labels)
         fsync_tree(staging)
         replace_dir(staging, out)
     finally:
@@ -63,16 +65,12 @@ def _check_out(out: Path) -> None:
     """``out`` is new, empty or an earlier report: replacing it whole loses nothing else."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out}: is a file; choose a folder for --out")
-    other = sorted(p.name for p in out.iterdir() if not _report_file(p)) if out.is_dir() else []
+    other = sorted(p.name for p in out.iterdir() if not ReportFolder.holds(p)) if out.is_dir() else []
     if other:
         raise ConfigError(f"{out}: holds {other[0]}, which `report` did not write; choose a new --out")
 
 
-def _report_file(path: Path) -> bool:
-    return path.is_file() and (path.suffix == ".png" or path.name == "summary.md")
-
-
-def _draw(out: Path, data: dict, labels: dict) -> list[str]:
+def _draw(out: ReportFolder, data: dict, labels: dict) -> list[str]:
     """Every plot and ``summary.md`` into ``out``; returns their names."""
     import matplotlib
 
@@ -93,7 +91,7 @@ def _draw(out: Path, data: dict, labels: dict) -> list[str]:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
+        fig.savefig(out.plot(name), dpi=120)
         plt.close(fig)
         files.append(name)
 
@@ -106,12 +104,12 @@ def _draw(out: Path, data: dict, labels: dict) -> list[str]:
         cross = [r for r in rows if r["type"] == "cross"]
         if cross:
             files.append(_heatmap(plt, out, run, cross[-1], labels[run]))
-    (out / "summary.md").write_text(_summary(data, labels))
-    files.append("summary.md")
+    out.summary.write_text(_summary(data, labels))
+    files.append(out.summary.name)
     return files
 
 
-def _gamma_plot(plt, out: Path, data: dict, labels: dict) -> str:
+def _gamma_plot(plt, out: ReportFolder, data: dict, labels: dict) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
     for run, rows in data.items():
         pts = [r for r in rows if r["type"] == "client"]
@@ -123,12 +121,12 @@ def _gamma_plot(plt, out: Path, data: dict, labels: dict) -> str:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "sdr_sppr_gamma.png", dpi=120)
+    fig.savefig(out.plot("sdr_sppr_gamma.png"), dpi=120)
     plt.close(fig)
     return "sdr_sppr_gamma.png"
 
 
-def _heatmap(plt, out: Path, run: Path, cross: dict, label: str) -> str:
+def _heatmap(plt, out: ReportFolder, run: Path, cross: dict, label: str) -> str:
     """The NLL matrix, coloured by each cell's difference to its column's mean: domains differ in
     difficulty far more than messengers do, so raw NLL colours would hide the personalization."""
     matrix = cross["matrix"]
@@ -149,7 +147,7 @@ def _heatmap(plt, out: Path, run: Path, cross: dict, label: str) -> str:
     fig.colorbar(im, ax=ax, label="NLL minus the column's mean")
     fig.tight_layout()
     name = f"nll_matrix_{run.name}.png"
-    fig.savefig(out / name, dpi=120)
+    fig.savefig(out.plot(name), dpi=120)
     plt.close(fig)
     return name
 

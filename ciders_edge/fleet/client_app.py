@@ -32,7 +32,7 @@ def train(msg: Message, context: Context) -> Message:
     r = msg.content.config_records[ROUND]
     files = record_bytes(msg.content.array_records[FILES])
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
-    packet, summary = edge.train(
+    packet, summary = edge.train_pending(
         cfg, str(r["client_id"]), str(r["c_i_digest"]), int(r["round"]), bytes(r["manifest"]), files
     )
     s = summary

@@ -21,7 +21,7 @@ from ciders_edge.fleet.protocol import consensus_digest
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 
-__all__ = ["EdgeConfig", "settle", "sync", "train", "PENDING", "BUNDLE"]
+__all__ = ["EdgeConfig", "settle", "sync", "train_pending", "PENDING", "BUNDLE"]
 
 PENDING = "pending"  # a trained round the cloud has not confirmed yet
 BUNDLE = "bundle"  # the edge's copy of the current bundle
@@ -92,7 +92,7 @@ def sync(cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int) -
     return {"profile": cfg.profile, "held": held_files(cfg.state / BUNDLE)}
 
 
-def train(
+def train_pending(
     cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int, manifest: bytes, files: dict[str, bytes]
 ) -> tuple[bytes, dict]:
     """One round: rebuild and verify the bundle, train (``ciders-edge train``'s code), keep the new

@@ -1,74 +1,57 @@
 """AdapEmu bundles (DESIGN §3): the compact model and round state the cloud ships to edges.
 
-A bundle is a directory whose ``manifest.json`` records the split, LoRA configs, round
-hyperparameters, the producer's versions and the sha256 of every other file. :meth:`Bundle.load`
-verifies every checksum before anything is read; weights are safetensors only.
+A bundle is a directory whose ``manifest.json`` (:mod:`ciders_edge.formats.manifest`) records the
+split, LoRA configs, round hyperparameters, the producer's versions and the sha256 of every other file.
+:meth:`Bundle.load` verifies every checksum before anything is read; weights are safetensors only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import reprlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ciders_edge import __version__
-from ciders_edge.config import ConfigMixin, RoundHyperparams
-from ciders_edge.errors import BundleError, ConfigError
+from ciders_edge.errors import BundleError
 from ciders_edge.formats.atomic import fsync_dir, replace_dir, staging_dir, write_bytes, write_json, write_safetensors
-from ciders_edge.formats.checksums import check_relpath, hash_folder, verify_files
-from ciders_edge.model.lora import LoraSettings
-from ciders_edge.model.split import SplitSpec
-from ciders_edge.profiles import BACKBONES, DTYPES, DeviceProfile
-
-__all__ = ["Bundle", "BundleContents", "MANIFEST", "producer_versions"]
-
-FORMAT = "ciders-bundle"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-BACKBONE_FILE = "backbone.safetensors"
-MESSENGER_FILE = "messenger.safetensors"
-ADAPTER_DIR = "adapter"  # global messenger LoRA v, PEFT format
-BACKBONE_ADAPTER_DIR = "backbone_adapter"  # learnable-backbone LoRA from TAKD, PEFT format
-PEFT_WEIGHTS = "adapter_model.safetensors"
-PEFT_CONFIG = "adapter_config.json"
-CONSENSUS_FILE = "consensus.safetensors"
-FULL_DIR = "full_backbone"  # the source layers AdapFu needs beyond backbone.safetensors, and the source config
-FULL_WEIGHTS = f"{FULL_DIR}/model.safetensors"
-# what every bundle lists: Bundle.load refuses a manifest without them rather than fail later, unverified
-CORE_FILES = (
+from ciders_edge.formats.checksums import hash_folder, verify_files
+from ciders_edge.formats.manifest import (
+    ADAPTER_DIR,
+    BACKBONE_ADAPTER_DIR,
     BACKBONE_FILE,
-    MESSENGER_FILE,
     CONSENSUS_FILE,
-    f"{ADAPTER_DIR}/{PEFT_WEIGHTS}",
-    f"{ADAPTER_DIR}/{PEFT_CONFIG}",
-    f"{BACKBONE_ADAPTER_DIR}/{PEFT_WEIGHTS}",
-    f"{BACKBONE_ADAPTER_DIR}/{PEFT_CONFIG}",
-    "config.json",
-    "generation_config.json",
-    "tokenizer_config.json",
+    FORMAT,
+    FORMAT_VERSION,
+    FULL_DIR,
+    FULL_WEIGHTS,
+    MANIFEST,
+    MESSENGER_LAYERS_FILE,
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    read_manifest,
+    validate_manifest,
 )
-FULL_FILES = (FULL_WEIGHTS, f"{FULL_DIR}/config.json")  # a bundle that deploys AdapFu
-REQUIRED_FIELDS = (
-    "round",
-    "split",
-    "files",
-    "lora",
-    "backbone_lora",
-    "hyperparameters",
-    "base_model",
-    "dtype",
-    "profile",
-)
-MAX_MANIFEST_BYTES = 16 << 20
-MAX_LAYERS = 10_000  # bounds the layer lists a split builds
+from ciders_edge.formats.storage import GROUP, decode, encode
+from ciders_edge.profiles import DTYPES
+
+__all__ = [
+    "Bundle",
+    "BundleContents",
+    "MANIFEST",
+    "producer_versions",
+    "BACKBONE_FILE",
+    "MESSENGER_LAYERS_FILE",
+    "FULL_DIR",
+    "FULL_WEIGHTS",
+    "ADAPTER_DIR",
+]
 
 
 def producer_versions() -> dict[str, str]:
@@ -99,6 +82,7 @@ class BundleContents:
     consensus: dict[str, torch.Tensor]
     full_backbone: dict[str, torch.Tensor] | None = None  # source layers by source name (profiles deploying AdapFu)
     full_config: object | None = None  # the source model's config
+    storage: str = "fp32"  # how the frozen weights are stored (formats/storage.py); the profile's by default
 
 
 class Bundle:
@@ -134,12 +118,12 @@ class Bundle:
         """
         path = Path(path)
         mpath = path / MANIFEST
-        raw = _read_manifest(path, mpath)
+        raw = read_manifest(path, mpath)
         try:
             manifest = json.loads(raw)
         except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deep, a 5000-digit number
             raise BundleError(f"{mpath}: corrupt manifest ({getattr(err, 'msg', err)})") from None
-        _validate_manifest(manifest, mpath)
+        validate_manifest(manifest, mpath)
         verify_files(path, manifest["files"], BundleError, "bundle")
         return cls(path, manifest, hashlib.sha256(raw).hexdigest())
 
@@ -149,7 +133,7 @@ class Bundle:
         out = Path(out)
         staging = staging_dir(out)
         try:
-            _write_contents(staging, contents)
+            formats = _write_contents(staging, contents)
             files = hash_folder(staging, exclude=MANIFEST)
             _link_unchanged(staging, files, previous)
             manifest = {
@@ -163,6 +147,7 @@ class Bundle:
                     "pad": contents.tokenizer.pad_token_id,
                 },
                 "files": files,
+                "storage": {"format": contents.storage, "group": GROUP, "tensors": formats},
             }
             raw = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
             write_bytes(staging / MANIFEST, raw)
@@ -180,11 +165,17 @@ class Bundle:
         files = {**self.manifest["files"], MANIFEST: ""}
         return sum((self.path / rel).stat().st_size for rel, digest in files.items() if old.get(rel) != digest)
 
-    def tensors(self, rel: str) -> dict[str, torch.Tensor]:
-        return load_file(self.path / rel)
+    def tensors(self, rel: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """A weight file's tensors; frozen weights stored in 8 or 4 bits come back dequantized into
+        ``dtype`` (default: the bundle's compute dtype), the rest as stored."""
+        formats = self.manifest.get("storage", {}).get("tensors", {}).get(rel)
+        if formats is None:  # LoRA, consensus, or a format-1 bundle's weights
+            return load_file(self.path / rel)
+        with safe_open(self.path / rel, framework="pt") as f:
+            return decode(_LazyFile(f), formats, dtype or DTYPES[self.manifest["dtype"]], f"{self.path / rel}")
 
-    def base_weights(self) -> dict[str, torch.Tensor]:
-        return {**self.tensors(BACKBONE_FILE), **self.tensors(MESSENGER_FILE)}
+    def base_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        return {**self.tensors(BACKBONE_FILE, dtype), **self.tensors(MESSENGER_LAYERS_FILE, dtype)}
 
     def messenger_lora(self) -> dict[str, torch.Tensor]:
         return self.tensors(f"{ADAPTER_DIR}/{PEFT_WEIGHTS}")
@@ -204,136 +195,21 @@ class Bundle:
         """What a personalized messenger runs on under AdapFu: the source model, the split and the
         messenger's shape; the same in every bundle of a run, whatever TAKD did."""
         m = self.manifest
-        key = [m["base_model"]["revision"], m["split"], m["lora"], m["files"].get(MESSENGER_FILE)]
+        key = [m["base_model"]["revision"], m["split"], m["lora"], m["files"].get(MESSENGER_LAYERS_FILE)]
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _read_manifest(path: Path, mpath: Path) -> bytes:
-    """The manifest's bytes, refused beyond MAX_MANIFEST_BYTES (it lists files, it holds none)."""
-    try:
-        if not mpath.is_file():
-            raise FileNotFoundError
-        with mpath.open("rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise BundleError(f"{path}: not a bundle (no {MANIFEST})") from None
-    except OSError as err:
-        raise BundleError(f"{mpath}: unreadable ({err.strerror or err})") from None
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise BundleError(f"{mpath}: corrupt manifest (over {MAX_MANIFEST_BYTES} bytes)")
-    return raw
-
-
-def _validate_manifest(m: object, where: Path) -> None:
-    """Type-check every field the toolkit reads, and the file list, before anything is opened: a
-    manifest is data from elsewhere, and what it says decides which files are read and how."""
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise BundleError(f"{where}: not a CIDERS bundle manifest")
-    if type(m.get("format_version")) is not int or m["format_version"] != FORMAT_VERSION:
-        raise BundleError(
-            f"{where}: bundle format version {reprlib.repr(m.get('format_version'))} is not supported "
-            f"(expected {FORMAT_VERSION})"
-        )
-    for key in REQUIRED_FIELDS:
-        if key not in m:
-            raise BundleError(f"{where}: manifest lacks {key!r}")
-    if not _is_int(m["round"]) or m["round"] < 0:
-        raise BundleError(f"{where}: manifest field 'round' must be a round number, got {reprlib.repr(m['round'])}")
-    _check_files(m, where)
-    _check_split(m["split"], where)
-    _check_base_model(m["base_model"], where)
-    if not isinstance(m["dtype"], str) or m["dtype"] not in DTYPES:
-        raise BundleError(
-            f"{where}: manifest field 'dtype' must be one of {', '.join(DTYPES)}, got {reprlib.repr(m['dtype'])}"
-        )
-    if m.get("deploy_backbone", "emu") not in BACKBONES:
-        raise BundleError(f"{where}: manifest field 'deploy_backbone' must be one of {', '.join(BACKBONES)}")
-    for key, check in OPTIONAL_FIELDS.items():
-        if key in m and not check(m[key]):
-            raise BundleError(f"{where}: manifest field {key!r} has the wrong type ({reprlib.repr(m[key])})")
-    _check_settings(m, where)
-
-
-def _check_files(m: dict, where: Path) -> None:
-    """Every listed path plain and relative, every core file listed (so nothing is read unverified)."""
-    files = m["files"]
-    if not isinstance(files, dict):
-        raise BundleError(f"{where}: manifest field 'files' must be an object of path: sha256")
-    for rel in files:
-        check_relpath(rel, BundleError, str(where))
-    if MANIFEST in files:
-        raise BundleError(f"{where}: the manifest lists itself")
-    full = m.get("deploy_backbone") == "full" or FULL_WEIGHTS in files
-    missing = [f for f in CORE_FILES + (FULL_FILES if full else ()) if f not in files]
-    if missing:
-        raise BundleError(f"{where}: manifest does not list {', '.join(missing[:3])}; not a complete bundle")
-
-
-def _check_split(split: object, where: Path) -> None:
-    """The split's fields typed, and ``kept`` the layers its n, a, beta select."""
-    ok = isinstance(split, dict) and all(_is_int(split.get(k)) for k in ("n", "a"))
-    ok = ok and _is_number(split.get("beta")) and isinstance(split.get("kept"), list)
-    ok = ok and all(_is_int(i) for i in split["kept"]) and 0 < split["n"] <= MAX_LAYERS
-    if not ok:
-        raise BundleError(
-            f"{where}: manifest field 'split' needs integers n (1..{MAX_LAYERS}), a, number beta, list kept"
-        )
-    try:
-        SplitSpec.from_dict(split)
-    except ConfigError as err:
-        raise BundleError(f"{where}: manifest field 'split': {err}") from None
-
-
-def _check_base_model(base: object, where: Path) -> None:
-    if not isinstance(base, dict) or not all(isinstance(base.get(k), str) for k in ("id", "revision")):
-        raise BundleError(f"{where}: manifest field 'base_model' needs string id and revision")
-
-
-def _check_settings(m: dict, where: Path) -> None:
-    """The config dataclasses the edge builds from the manifest: typed fields, then their own checks."""
-    for key, cls in (("lora", LoraSettings), ("backbone_lora", LoraSettings), ("hyperparameters", RoundHyperparams)):
-        _check_dataclass(m[key], cls, f"{where}: manifest field {key!r}")
-    _check_dataclass(m["profile"], DeviceProfile, f"{where}: manifest field 'profile'")
-    if not isinstance(m["profile"].get("name"), str):
-        raise BundleError(f"{where}: manifest field 'profile' needs a string name")
-
-
-def _check_dataclass(d: object, cls: type[ConfigMixin], where: str) -> None:
-    """``d`` fits ``cls``'s typed fields (unknown keys are left alone) and passes its own checks."""
-    if not isinstance(d, dict):
-        raise BundleError(f"{where} must be an object")
-    try:
-        cls.from_dict(d, where)
-    except (ConfigError, TypeError, ValueError) as err:  # a type error names `where`; a range error does not
-        raise BundleError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: object) -> bool:
-    """A finite JSON number that converts to a float (an integer of 400 digits does not)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
-OPTIONAL_FIELDS = {
-    "takd_step": lambda v: _is_int(v) and v >= 0,
-    "special_tokens": lambda v: isinstance(v, dict) and all(t is None or _is_int(t) for t in v.values()),
-    "fidelity": lambda v: v is None or isinstance(v, dict),
-}
-
-
-def _write_contents(d: Path, c: BundleContents) -> None:
+def _write_contents(d: Path, c: BundleContents) -> dict[str, dict[str, str]]:
+    """Write every file but the manifest; returns each frozen weight file's tensor formats."""
     n_kept = len(c.manifest["split"]["kept"])
     backbone, messenger = _split_weights(c.base_weights, n_kept)
-    write_safetensors(d / BACKBONE_FILE, backbone)
-    write_safetensors(d / MESSENGER_FILE, messenger)
+    frozen = {BACKBONE_FILE: backbone, MESSENGER_LAYERS_FILE: messenger}
+    if c.full_backbone is not None:
+        frozen[FULL_WEIGHTS] = c.full_backbone
+    formats = {}
+    for rel, weights in frozen.items():
+        stored, formats[rel] = encode(weights, c.storage)
+        write_safetensors(d / rel, stored)
     c.config.save_pretrained(d)
     c.generation_config.save_pretrained(d)
     c.tokenizer.save_pretrained(d)
@@ -345,10 +221,10 @@ def _write_contents(d: Path, c: BundleContents) -> None:
         write_json(d / sub / PEFT_CONFIG, _peft_config_dict(cfg))
     write_safetensors(d / CONSENSUS_FILE, c.consensus)
     if c.full_backbone is not None:
-        write_safetensors(d / FULL_WEIGHTS, c.full_backbone)
         c.full_config.save_pretrained(d / FULL_DIR)
         fsync_dir(d / FULL_DIR)
     fsync_dir(d)
+    return formats
 
 
 def _peft_config_dict(cfg) -> dict:
@@ -382,3 +258,20 @@ def _split_weights(weights: dict[str, torch.Tensor], n_kept: int) -> tuple[dict,
         else:
             messenger[k] = v
     return backbone, messenger
+
+
+class _LazyFile:
+    """An open safetensors file as :func:`storage.decode` reads it: a tensor is read when it is popped."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.left = handle, set(handle.keys())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.left
+
+    def __iter__(self):
+        return iter(sorted(self.left))
+
+    def pop(self, name: str) -> torch.Tensor:
+        self.left.remove(name)
+        return self.handle.get_tensor(name)

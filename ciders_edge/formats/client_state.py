@@ -20,7 +20,7 @@ __all__ = ["ClientState", "METRICS_LOG"]
 
 CURRENT = "current"
 CONSENSUS = "consensus.safetensors"  # c_i
-MESSENGER = "messenger.safetensors"  # x_K, the personalized messenger LoRA
+PERSONALIZED_FILE = "messenger.safetensors"  # x_K, the personalized messenger LoRA
 RNG = "rng.safetensors"
 METRICS_LOG = "metrics.jsonl"
 FORMAT_VERSION = 1
@@ -89,7 +89,9 @@ class ClientState:
             "run_id": self.run_id,
         }
         rng = {"torch": self.rng} if self.rng is not None else {}
-        save_state_dir(Path(path) / CURRENT, {CONSENSUS: self.c_i, MESSENGER: self.personalized, RNG: rng}, meta)
+        save_state_dir(
+            Path(path) / CURRENT, {CONSENSUS: self.c_i, PERSONALIZED_FILE: self.personalized, RNG: rng}, meta
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> ClientState | None:
@@ -98,8 +100,8 @@ class ClientState:
         recover_dir(cur)
         if not cur.exists():
             return None
-        meta, t = load_state_dir(cur, (CONSENSUS, MESSENGER, RNG), FORMAT_VERSION, "client state", FIELDS)
-        c_i, personalized, rng = t[CONSENSUS], t[MESSENGER], t[RNG].get("torch")
+        meta, t = load_state_dir(cur, (CONSENSUS, PERSONALIZED_FILE, RNG), FORMAT_VERSION, "client state", FIELDS)
+        c_i, personalized, rng = t[CONSENSUS], t[PERSONALIZED_FILE], t[RNG].get("torch")
         if rng is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
             raise StateError(f"{cur / RNG}: client state corrupt (`torch` is not a generator state: {rng.dtype})")
         return cls(

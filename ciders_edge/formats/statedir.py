@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from ciders_edge.config import check_value
 from ciders_edge.errors import StateError
 from ciders_edge.formats.atomic import recover_dir, replace_dir, staging_dir, write_json, write_safetensors
 from ciders_edge.formats.checksums import sha256_file
@@ -49,11 +50,7 @@ class Field:
     required: bool = True
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-INT = Field("an integer", _is_int)
+INT = Field("an integer", lambda v: check_value(v, int))
 STR = Field("a string", lambda v: isinstance(v, str))
 OBJECT = Field("an object", lambda v: isinstance(v, dict))
 
@@ -93,7 +90,7 @@ def load_state_dir(
     tensors = {name: _read(path / name, what, load_file) for name in names}
     if not isinstance(meta, dict):
         raise StateError(f"{path / STATE_JSON}: {what} corrupt (not a JSON object)")
-    if meta.get("format_version") != version or not _is_int(meta["format_version"]):
+    if meta.get("format_version") != version or not check_value(meta["format_version"], int):
         raise StateError(f"{path}: {what} format {reprlib.repr(meta.get('format_version'))} is not supported")
     check_fields(meta, {**(fields or {}), CHECKSUMS: optional(OBJECT)}, path / STATE_JSON, what)
     _verify(path, meta.get(CHECKSUMS), names, what)

@@ -12,8 +12,8 @@ from transformers.modeling_utils import no_init_weights
 from ciders_edge.errors import BundleError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.model.lora import (
-    BACKBONE,
-    MESSENGER,
+    BACKBONE_ADAPTER,
+    MESSENGER_ADAPTER,
     LoraSettings,
     attach_lora,
     copy_into,
@@ -40,7 +40,7 @@ class EdgeModel:
 
     def use_messenger(self, x: dict[str, torch.Tensor]) -> None:
         """Load messenger LoRA ``x`` (global v or a personalized x_K, keyed as in the AdapEmu)."""
-        copy_into(lora_parameters(self.model, MESSENGER), shift_layers(x, self.messenger_offset))
+        copy_into(lora_parameters(self.model, MESSENGER_ADAPTER), shift_layers(x, self.messenger_offset))
 
 
 def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None, live_backbone: bool = False) -> EdgeModel:
@@ -49,14 +49,15 @@ def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None, live_backb
     m = bundle.manifest
     split = SplitSpec.from_dict(m["split"])
     config = AutoConfig.from_pretrained(bundle.path)
-    base = instantiate(bundle, config, bundle.base_weights(), dtype or DTYPES[m["dtype"]], "weights")
+    dtype = dtype or DTYPES[m["dtype"]]
+    base = instantiate(bundle, config, bundle.base_weights(dtype), dtype, "weights")
     if live_backbone:  # no dropout: the same function as the merged backbone
         frozen = LoraSettings.from_dict(m["backbone_lora"]).replace(dropout=0.0)
         model = attach_lora(base, split, LoraSettings.from_dict(m["lora"]), frozen)
-        load_lora_state(model, bundle.backbone_lora(), BACKBONE)
+        load_lora_state(model, bundle.backbone_lora(), BACKBONE_ADAPTER)
     else:
         model = attach_lora(_merge_backbone_lora(base, bundle, split), split, LoraSettings.from_dict(m["lora"]))
-    load_lora_state(model, {k: v.float() for k, v in bundle.messenger_lora().items()}, MESSENGER)
+    load_lora_state(model, {k: v.float() for k, v in bundle.messenger_lora().items()}, MESSENGER_ADAPTER)
     tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)
     return EdgeModel(model.eval(), split, tok, bundle)
 
@@ -66,7 +67,10 @@ def instantiate(bundle: Bundle, config, weights: dict[str, torch.Tensor], dtype:
     without the random init it would overwrite; a BundleError names what does not fit."""
     with no_init_weights():
         base = AutoModelForCausalLM.from_config(config).to(dtype)
-    missing, unexpected = base.load_state_dict(weights, strict=False)
+    # assign: the model takes the loaded tensors as its parameters (no second copy of the weights;
+    # the uninitialized ones it had were never touched, so they never took memory)
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    missing, unexpected = base.load_state_dict(weights, strict=False, assign=True)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise BundleError(
@@ -79,6 +83,8 @@ def instantiate(bundle: Bundle, config, weights: dict[str, torch.Tensor], dtype:
 
 def _merge_backbone_lora(base, bundle: Bundle, split: SplitSpec):
     settings = LoraSettings.from_dict(bundle.manifest["backbone_lora"])
-    wrapped = get_peft_model(base, peft_config(base, settings, list(range(split.n_kept))), adapter_name=BACKBONE)
-    load_lora_state(wrapped, bundle.backbone_lora(), BACKBONE)
+    wrapped = get_peft_model(
+        base, peft_config(base, settings, list(range(split.n_kept))), adapter_name=BACKBONE_ADAPTER
+    )
+    load_lora_state(wrapped, bundle.backbone_lora(), BACKBONE_ADAPTER)
     return wrapped.merge_and_unload()

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from ciders_edge.errors import BundleError, ModelError
-from ciders_edge.formats.bundle import BACKBONE_FILE, FULL_DIR, FULL_WEIGHTS, MESSENGER_FILE, Bundle
+from ciders_edge.formats.bundle import BACKBONE_FILE, FULL_DIR, FULL_WEIGHTS, MESSENGER_LAYERS_FILE, Bundle
 from ciders_edge.model.adapemu import EdgeModel, instantiate
 from ciders_edge.model.lora import LoraSettings, attach_lora
 from ciders_edge.model.sources import model_revision, resolve_model
@@ -29,7 +29,9 @@ __all__ = ["load_adapfu", "full_backbone_source"]
 EMBED = "model.embed_tokens.weight"
 
 
-def full_backbone_source(bundle: Bundle, base_model: str | Path | None = None) -> tuple[PretrainedConfig, dict]:
+def full_backbone_source(
+    bundle: Bundle, base_model: str | Path | None = None, dtype: torch.dtype | None = None
+) -> tuple[PretrainedConfig, dict]:
     """The source model's config and its embeddings plus layers ``0..n-a-1``.
 
     Raises:
@@ -48,8 +50,8 @@ def full_backbone_source(bundle: Bundle, base_model: str | Path | None = None) -
             f"the AdapEmu); pass --base-model with a local copy of {model} (content hash {revision[:16]}…), "
             "or use --backbone emu"
         )
-    shipped = bundle.tensors(FULL_WEIGHTS)
-    backbone = bundle.tensors(BACKBONE_FILE)
+    shipped = bundle.tensors(FULL_WEIGHTS, dtype)
+    backbone = bundle.tensors(BACKBONE_FILE, dtype)
     weights = {EMBED: backbone[EMBED], **shipped}
     for j, i in enumerate(split.kept):
         if not any(k.startswith(f"model.layers.{i}.") for k in shipped):
@@ -79,9 +81,9 @@ def load_adapfu(bundle: Bundle, dtype: torch.dtype | None = None, base_model: st
     m = bundle.manifest
     split = SplitSpec.from_dict(m["split"])
     full = SplitSpec(split.n, split.a, 1.0)  # every backbone layer kept: the messenger starts at n - a
-    config, weights = full_backbone_source(bundle, base_model)
+    config, weights = full_backbone_source(bundle, base_model, dtype)
     offset = full.n_kept - split.n_kept
-    weights.update(shift_layers(bundle.tensors(MESSENGER_FILE), offset, first=split.n_kept))
+    weights.update(shift_layers(bundle.tensors(MESSENGER_LAYERS_FILE, dtype), offset, first=split.n_kept))
     base = instantiate(bundle, config, weights, dtype or DTYPES[m["dtype"]], "the full backbone's weights")
     model = attach_lora(base, full, LoraSettings.from_dict(m["lora"]))
     tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)

@@ -19,8 +19,8 @@ from ciders_edge.model.split import SplitSpec
 
 __all__ = [
     "LoraSettings",
-    "MESSENGER",
-    "BACKBONE",
+    "MESSENGER_ADAPTER",
+    "BACKBONE_ADAPTER",
     "attach_lora",
     "set_trainable",
     "lora_state",
@@ -30,8 +30,8 @@ __all__ = [
     "peft_config",
 ]
 
-MESSENGER = "messenger"
-BACKBONE = "backbone"
+MESSENGER_ADAPTER = "messenger"
+BACKBONE_ADAPTER = "backbone"
 
 
 @dataclass
@@ -72,11 +72,11 @@ def attach_lora(
 
     Both adapters stay active; which one trains is chosen with :func:`set_trainable`.
     """
-    model = get_peft_model(emu, peft_config(emu, messenger, spec.emu_messenger), adapter_name=MESSENGER)
-    names = [MESSENGER]
+    model = get_peft_model(emu, peft_config(emu, messenger, spec.emu_messenger), adapter_name=MESSENGER_ADAPTER)
+    names = [MESSENGER_ADAPTER]
     if backbone is not None:
-        model.add_adapter(BACKBONE, peft_config(emu, backbone, list(range(spec.n_kept))))
-        names.append(BACKBONE)
+        model.add_adapter(BACKBONE_ADAPTER, peft_config(emu, backbone, list(range(spec.n_kept))))
+        names.append(BACKBONE_ADAPTER)
     model.base_model.set_adapter(names)
     set_trainable(model, None)
     return model

@@ -77,9 +77,10 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def _cached(name: str, build) -> Path:
+def _cached(name: str, build, marker: str = "config.json") -> Path:
+    """``$CIDERS_HOME/models/name``, built once; ``marker`` is the file a finished build always has."""
     target = ciders_home() / "models" / name
-    if (target / "config.json").is_file():
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(target)
@@ -130,7 +131,7 @@ def _build_tiny(out: Path) -> None:
     """A small random Llama with SmolLM2's real tokenizer: fast tests on a real pipeline."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok_dir = _cached("smollm2-tokenizer", lambda d: _smollm2_tokenizer().save_pretrained(d))
+    tok_dir = _cached("smollm2-tokenizer", lambda d: _smollm2_tokenizer().save_pretrained(d), "tokenizer_config.json")
     tok = AutoTokenizer.from_pretrained(tok_dir)
     config = LlamaConfig(
         vocab_size=len(tok),

@@ -16,7 +16,7 @@ from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import Example, batch_stream
 from ciders_edge.model.adapemu import EdgeModel
 from ciders_edge.model.forward import messenger_loss, run_backbone
-from ciders_edge.model.lora import BACKBONE, MESSENGER, lora_parameters
+from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, lora_parameters
 from ciders_edge.tensors import Tensors
 
 __all__ = ["client_gradients"]
@@ -26,7 +26,7 @@ def client_gradients(
     edge: EdgeModel, examples: list[Example], hp: RoundHyperparams, batches: int, seed: int
 ) -> tuple[float, Tensors, Tensors]:
     """Mean loss, ``grad_x f_i`` and ``grad_y f_i`` over ``batches`` mini-batches, without dropout."""
-    x, y = lora_parameters(edge.model, MESSENGER), lora_parameters(edge.model, BACKBONE)
+    x, y = lora_parameters(edge.model, MESSENGER_ADAPTER), lora_parameters(edge.model, BACKBONE_ADAPTER)
     for p in edge.model.parameters():
         p.requires_grad_(False)
     for p in (*x.values(), *y.values()):

@@ -15,7 +15,7 @@ import torch
 from ciders_edge.data.records import Example, batch_stream
 from ciders_edge.model.adapemu import EdgeModel
 from ciders_edge.model.forward import BackboneBatch, messenger_loss, run_backbone
-from ciders_edge.model.lora import MESSENGER, copy_into, lora_parameters
+from ciders_edge.model.lora import MESSENGER_ADAPTER, copy_into, lora_parameters
 from ciders_edge.tensors import Tensors
 
 __all__ = ["MessengerObjective", "Batch"]
@@ -32,7 +32,7 @@ class MessengerObjective:
 
     def __init__(self, edge: EdgeModel, examples: list[Example], batch_size: int, grad_accum: int, seed: int) -> None:
         self.edge = edge
-        self.params = lora_parameters(edge.model, MESSENGER)
+        self.params = lora_parameters(edge.model, MESSENGER_ADAPTER)
         self.grad_accum = grad_accum
         self.device = next(edge.model.parameters()).device
         self.rng = random.Random(seed)

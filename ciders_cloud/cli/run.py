@@ -1,0 +1,151 @@
+"""The commands on a run folder: ``prepare`` makes one, ``distill`` and ``aggregate`` move it on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.config_file import merge_config
+from ciders_cloud.fidelity import Fidelity
+from ciders_cloud.lock import run_lock
+from ciders_cloud.prepare import distill as distill_run
+from ciders_cloud.prepare import prepare as prepare_run
+from ciders_cloud.rounds import aggregate_files
+from ciders_edge.cli_utils import JsonOpt, key_table, print_table, run_command
+from ciders_edge.config import RoundHyperparams
+from ciders_edge.errors import ConfigError
+from ciders_edge.model.lora import LoraSettings
+from ciders_edge.profiles import load_profile
+from ciders_edge.progress import console
+
+__all__ = ["prepare", "distill", "aggregate", "locked"]
+
+
+def prepare(
+    out: Annotated[Path, typer.Option(help="New run folder.")],
+    public_data: Annotated[str | None, typer.Option(help="Public JSONL data for TAKD.")] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            help="TOML file or preset name (paper): the run's settings (README: Simulation and report); flags win."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="smollm2-135m (default), tiny, a local HF folder or a hub id.")
+    ] = None,
+    profile: Annotated[list[str] | None, typer.Option(help="Device profile (repeatable); one bundle each.")] = None,
+    messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a (default: first profile's).")] = None,
+    drop_ratio: Annotated[float | None, typer.Option(help="1 - beta (default: first profile's).")] = None,
+    layer_steps: Annotated[
+        int | None, typer.Option(help="Bootstrap stage 1: layer-wise fits of the layers after each gap (default 200).")
+    ] = None,
+    align_steps: Annotated[
+        int | None, typer.Option(help="Bootstrap stage 2: end-to-end TAKD steps before round 0 (default 60).")
+    ] = None,
+    algorithm: Annotated[str | None, typer.Option(help="Strategy the run's rounds follow (default ciders-fo).")] = None,
+    client: Annotated[list[str] | None, typer.Option(help="Accepted client id (repeatable; none: any).")] = None,
+    takd_lr: Annotated[float | None, typer.Option(help="TAKD learning rate.")] = None,
+    takd_batch_size: Annotated[int | None, typer.Option(help="TAKD batch size.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="TAKD sequence length.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for LoRA init and data order.")] = None,
+    storage: Annotated[
+        str | None,
+        typer.Option(help="How bundles store frozen weights: fp32, bf16, int8 or int4 (default: each profile's)."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Split the model (Algorithm 1), align the learnable backbone by TAKD, write one bundle per profile."""
+
+    def body() -> dict:
+        flags = {
+            "model": model,
+            "profiles": profile,
+            "messenger_depth": messenger_depth,
+            "drop_ratio": drop_ratio,
+            "public_data": public_data,
+            "layer_steps": layer_steps,
+            "align_steps": align_steps,
+            "seed": seed,
+            "algorithm": algorithm,
+            "client_ids": client,
+            "storage": storage,
+        }
+        takd = {"lr": takd_lr, "batch_size": takd_batch_size, "seq_len": seq_len}
+        merged = {"model": "smollm2-135m", **merge_config(config, flags, {"takd": takd}, command="prepare")}
+        if "public_data" not in merged:
+            raise ConfigError("--public-data is required (or `public_data` in --config)")
+        first = load_profile((merged.get("profiles") or ["cpu-laptop"])[0])
+        merged.setdefault("messenger_depth", first.messenger_depth)
+        merged.setdefault("drop_ratio", first.drop_ratio)
+        merged.setdefault("lora", LoraSettings(rank=first.lora_rank).to_dict())
+        merged["takd"] = TakdConfig.from_dict(merged["takd"]).to_dict()
+        merged["hyperparameters"] = RoundHyperparams.from_dict(merged.get("hyperparameters", {})).to_dict()
+        return prepare_run(RunConfig.from_dict(merged, where="flags"), out)  # the file was checked at load
+
+    run_command(body, as_json, _render)
+
+
+def locked(run: Path, command: str, body: Callable[[], dict]) -> Callable[[], dict]:
+    """``body`` under the run's lock: one command writes a run folder at a time."""
+
+    def held() -> dict:
+        with run_lock(run, command):
+            return body()
+
+    return held
+
+
+def distill(
+    run: Annotated[Path, typer.Option(help="Run folder made by `prepare`.")],
+    steps: Annotated[int, typer.Option(help="TAKD steps to add, warm-started.")] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """Continue TAKD of the learnable backbone and re-ship the current round's bundles."""
+    run_command(locked(run, "distill", lambda: distill_run(run, steps)), as_json, _render)
+
+
+def aggregate(
+    run: Annotated[Path, typer.Option(help="Run folder.")],
+    packets: Annotated[list[Path], typer.Option("--packets", help="Δc packets of this round (repeatable).")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Close one round: check the packets, reconstruct and aggregate (eq. 11–12), TAKD (eq. 13), ship bundles."""
+
+    def render(s: dict) -> None:
+        if s.get("already_aggregated"):
+            console.print(f"[yellow]round {s['round']} was already aggregated with these packets[/]")
+        console.print(
+            f"[green]✓[/] round {s['round']} ({s['algorithm']}): {len(s['clients'])} clients "
+            f"{', '.join(s['clients'])}; |Δv| {s['v_change']:.3e}, |c| {s['c_norm']:.3e}, "
+            f"{s['takd_steps']} TAKD steps; round {s['next_round']} bundles:"
+        )
+        if s.get("fidelity"):
+            console.print(f"  AdapEmu fidelity: {Fidelity(**s['fidelity']).describe()}")
+        for name, path in s["bundles"].items():
+            console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
+
+    run_command(locked(run, "aggregate", lambda: aggregate_files(run, packets)), as_json, render)
+
+
+def _render(s: dict) -> None:
+    rows = [("model", f"{s['model']} ({s['n']} layers, messenger {s['messenger_depth']})")]
+    rows.append(("kept layers", f"{len(s['kept_layers'])}: {s['kept_layers']}"))
+    if s.get("layer_steps"):
+        rows.append(("layer fits", f"{s['layer_steps']} steps"))
+    if s["takd_first"]:
+        first, last = s["takd_first"], s["takd_last"]
+        for k in ("loss", "hidden", "kl", "ce"):
+            rows.append((f"TAKD {k}", f"{first[k]:.4f} → {last[k]:.4f}  ({s['takd_steps']} steps)"))
+    if s.get("fidelity_before"):
+        rows.append(("fidelity before", Fidelity(**s["fidelity_before"]).describe()))
+    if s.get("fidelity"):
+        f = {k: v for k, v in s["fidelity"].items() if k != "takd_step"}
+        rows.append(("fidelity" if not s.get("fidelity_before") else "fidelity after", Fidelity(**f).describe()))
+    for name, path in s["bundles"].items():
+        deploy = f" (deploys {s['deploy'][name]})" if s.get("deploy") else ""
+        rows.append((f"bundle {name}", path + deploy))
+    print_table(key_table(("", ""), rows, show_header=False, title=f"run {s['run']}"))

@@ -1,0 +1,134 @@
+"""The study commands: ``simulate`` a federation in one process, ``report`` on studies, ``demo-data``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ciders_cloud.config import SimConfig
+from ciders_cloud.config_file import merge_config
+from ciders_cloud.strategies import STRATEGIES
+from ciders_cloud.study.report import report as report_runs
+from ciders_cloud.study.simulate import simulate as simulate_run
+from ciders_edge.cli_utils import JsonOpt, run_command
+from ciders_edge.data.demo import write_demo_data
+from ciders_edge.progress import console
+
+__all__ = ["simulate", "report", "demo_data"]
+
+
+def simulate(
+    out: Annotated[Path, typer.Option(help="New folder for the whole study.")],
+    data: Annotated[
+        list[str] | None, typer.Option(help="JSONL data (repeatable; one per client with per-file).")
+    ] = None,
+    eval_data: Annotated[
+        list[str] | None, typer.Option(help="Per-file: each client's evaluation JSONL (default: a held-out share).")
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            help="TOML file or preset name (paper): the run's settings (README: Simulation and report); flags win."
+        ),
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="smollm2-135m, tiny or a local folder.")] = None,
+    clients: Annotated[int | None, typer.Option(help="Number of simulated edges.")] = None,
+    rounds: Annotated[int | None, typer.Option(help="Rounds to run.")] = None,
+    local_steps: Annotated[int | None, typer.Option(help="K local steps per round.")] = None,
+    algorithm: Annotated[str | None, typer.Option(help=", ".join(STRATEGIES) + ".")] = None,
+    partition: Annotated[
+        str | None, typer.Option(help="iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file.")
+    ] = None,
+    participation: Annotated[float | None, typer.Option(help="Fraction of clients sampled per round.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for partition, sampling, LoRA init.")] = None,
+    eval_every: Annotated[int | None, typer.Option(help="Evaluate every E rounds (and at the end).")] = None,
+    eval_examples: Annotated[int | None, typer.Option(help="Held-out records per client for NLL.")] = None,
+    eval_generate: Annotated[
+        int | None, typer.Option(help="Held-out records per client answered (ROUGE-L, EM).")
+    ] = None,
+    max_records: Annotated[int | None, typer.Option(help="Cap records per client (0: all).")] = None,
+    public_data: Annotated[
+        str | None, typer.Option(help="Public JSONL for TAKD (default: a sample of client data).")
+    ] = None,
+    profile: Annotated[str | None, typer.Option(help="Device profile of every simulated edge.")] = None,
+    messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a.")] = None,
+    drop_ratio: Annotated[float | None, typer.Option(help="1 - beta.")] = None,
+    layer_steps: Annotated[int | None, typer.Option(help="Bootstrap stage 1 steps (default: prepare's).")] = None,
+    align_steps: Annotated[int | None, typer.Option(help="Bootstrap stage 2 TAKD steps (default: prepare's).")] = None,
+    codec: Annotated[str | None, typer.Option(help="Packet codec: fp32, bf16, int8.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Base learning rate eta.")] = None,
+    gamma: Annotated[float | None, typer.Option(help="Constant gamma (with --gamma-schedule constant).")] = None,
+    gamma_schedule: Annotated[str | None, typer.Option(help="constant or protocol-c.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Simulate the cloud and N edges in one process, through the same code as the CLIs."""
+
+    def body() -> dict:
+        flags = {
+            "model": model,
+            "data": data,
+            "eval_data": eval_data,
+            "clients": clients,
+            "rounds": rounds,
+            "local_steps": local_steps,
+            "algorithm": algorithm,
+            "partition": partition,
+            "participation": participation,
+            "seed": seed,
+            "eval_every": eval_every,
+            "eval_examples": eval_examples,
+            "eval_generate": eval_generate,
+            "max_records": max_records,
+            "public_data": public_data,
+            "profile": profile,
+            "messenger_depth": messenger_depth,
+            "drop_ratio": drop_ratio,
+            "layer_steps": layer_steps,
+            "align_steps": align_steps,
+            "codec": codec,
+            "gamma_schedule": gamma_schedule,
+        }
+        hp = {"eta": lr, "gamma": gamma, "local_steps": local_steps}  # the flag beats a file's [hyperparameters]
+        merged = merge_config(config, flags, {"hyperparameters": hp}, command="simulate")
+        return simulate_run(SimConfig.from_dict(merged, where="flags"), out)  # the file was checked at load
+
+    def render(s: dict) -> None:
+        console.print(f"[green]✓[/] {s['algorithm']}: {s['clients']} clients × {s['rounds']} rounds in {s['out']}")
+        console.print(
+            f"  mean held-out NLL: personalized {s['mean_nll_personal']:.4f}, global {s['mean_nll_global']:.4f}"
+            + (f", Δcross {s['delta_cross']:.4f}" if s.get("delta_cross") is not None else "")
+        )
+
+    run_command(body, as_json, render)
+
+
+def report(
+    run: Annotated[list[Path], typer.Option("--run", help="Simulation output folder (repeatable, compared).")],
+    out: Annotated[Path, typer.Option(help="Folder for the PNGs and summary.md.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Plot loss, E-RAE, NLL, bytes and S-DR/S-PPR against gamma; write a markdown comparison."""
+    run_command(
+        lambda: report_runs(run, out),
+        as_json,
+        lambda s: console.print(f"[green]✓[/] {len(s['files'])} files in {s['out']}: {', '.join(s['files'])}"),
+    )
+
+
+def demo_data(
+    out: Annotated[Path, typer.Option(help="Folder for {family}/{train,public,eval}.jsonl and public.jsonl.")],
+    n_train: Annotated[int, typer.Option(help="Training records per family.")] = 200,
+    n_public: Annotated[int, typer.Option(help="Public (TAKD) records per family.")] = 100,
+    n_eval: Annotated[int, typer.Option(help="Evaluation records per family.")] = 50,
+    seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate the embedded demo data: five task families with exact-match answers."""
+
+    def body() -> dict:
+        paths = write_demo_data(out, n_train, n_public, n_eval, seed)
+        return {"out": str(out), "files": {k: str(v) for k, v in paths.items()}}
+
+    run_command(body, as_json, lambda s: console.print(f"[green]✓[/] {len(s['files'])} files under {s['out']}"))

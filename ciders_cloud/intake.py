@@ -1,0 +1,155 @@
+"""The packet intake of a cloud round: read a round's Δc packets and refuse what must not be aggregated.
+
+Every check runs before any state changes: a packet for another round or bundle, from an unknown or
+repeated client, with a bad tag, the wrong tensors, or a displacement that is not finite or an outlier.
+``ciders-cloud aggregate`` (:mod:`ciders_cloud.rounds`) and the fleet's coordinator both come through here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ciders_cloud.config import RunConfig
+from ciders_cloud.run_folder import RunFolder
+from ciders_cloud.server_state import ServerState
+from ciders_cloud.strategies import round_hyperparams_for
+from ciders_edge.config import RoundHyperparams
+from ciders_edge.errors import PacketError
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.packet import Packet, consensus_digest, read_key_file
+from ciders_edge.tensors import Tensors, norm
+from ciders_edge.training.round import PROBE_KIND
+
+__all__ = ["Received", "read_packets", "check_packets", "check_round", "check_displacements", "CLIENT_ID"]
+
+MAX_DELTA_RATIO = 20.0  # a displacement this many times the median one is refused (see check_displacements)
+CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass
+class Received:
+    packet: Packet
+    size: int
+    digest: str
+    where: str
+
+
+def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received]:
+    """Parse packets, verifying each with its client's key when ``RUN/keys/<client>.key`` exists."""
+    out = []
+    for where, data in items:
+        client = Packet.peek_client_id(data, where)
+        if not CLIENT_ID.fullmatch(client):
+            raise PacketError(f"{where}: client id {client!r} is not a valid id (letters, digits, . _ -)")
+        key_file = RunFolder(run_dir).key_file(client)
+        key = read_key_file(key_file) if key_file.is_file() else None
+        packet = Packet.from_bytes(data, key, where=where)
+        out.append(Received(packet, len(data), hashlib.sha256(data).hexdigest(), where))
+    return out
+
+
+def check_packets(
+    received: list[Received],
+    state: ServerState,
+    run: RunConfig,
+    bundle_ids: set[str],
+    hp: RoundHyperparams,
+    expected: Tensors | None = None,
+) -> None:
+    """Refuse the whole round if any packet is for another round or bundle, from an unknown or
+    repeated client, of the wrong shapes, or not finite. ``expected`` names the tensors a packet
+    must hold (default: the messenger LoRA's; LFedNest adds the backbone's grad_y f_i)."""
+    if expected is None:
+        expected = {**state.messenger, **(state.backbone if hp.send_grad_y else {})}
+    seen: set[str] = set()
+    for r in received:
+        p, where = r.packet, r.where
+        if p.round != state.round:
+            raise PacketError(f"{where}: packet is for round {p.round}, the server is at round {state.round}")
+        if p.bundle_id not in bundle_ids:
+            raise PacketError(
+                f"{where}: packet was trained on bundle {p.bundle_id[:12]}, not one of round {state.round}'s"
+            )
+        if run.client_ids and p.client_id not in run.client_ids:
+            raise PacketError(f"{where}: unknown client id {p.client_id!r}")
+        for name in ("gamma", "alpha"):  # eq. (11) inverts the edge's eq. (10) with the round's values
+            if name not in p.metrics and p.metrics.get("kind") != PROBE_KIND:
+                raise PacketError(f"{where}: the packet does not say which {name} it trained with")
+            if name in p.metrics and p.metrics[name] != getattr(hp, name):
+                raise PacketError(
+                    f"{where}: trained with {name}={p.metrics[name]}, round {state.round} uses {getattr(hp, name)}"
+                )
+        _check_consensus_digest(p, state, where)
+        if p.client_id in seen:
+            raise PacketError(f"{where}: a second packet from client {p.client_id!r} in round {state.round}")
+        seen.add(p.client_id)
+        for name, ref in expected.items():
+            got = p.tensors.get(name)
+            if got is None or got.shape != ref.shape:
+                shape = None if got is None else tuple(got.shape)
+                raise PacketError(f"{where}: tensor {name} has shape {shape}, expected {tuple(ref.shape)}")
+        if set(p.tensors) != set(expected):
+            raise PacketError(f"{where}: unexpected tensors {sorted(set(p.tensors) - set(expected))[:2]}")
+        if p.num_examples <= 0:
+            raise PacketError(f"{where}: |D_i| must be positive, got {p.num_examples}")
+        p.check_finite(where)
+
+
+def _check_consensus_digest(p: Packet, state: ServerState, where: str) -> None:
+    """The edge's c_i and the cloud's copy must be the same tensors (eq. 11 uses the cloud's)."""
+    if p.metrics.get("kind") == PROBE_KIND:
+        return
+    theirs = p.metrics.get("c_i_digest")
+    if not isinstance(theirs, str):
+        raise PacketError(f"{where}: the packet does not say which c_i it started from (metrics c_i_digest)")
+    mine = state.clients.get(p.client_id, {k: torch.zeros_like(t) for k, t in state.messenger.items()})
+    if theirs != consensus_digest(mine):
+        new = "" if p.client_id in state.clients else " (the cloud has never aggregated this client: c_i = 0)"
+        raise PacketError(
+            f"{where}: client {p.client_id!r} trained from a c_i (digest {theirs[:12]}) that is not the cloud's copy "
+            f"({consensus_digest(mine)[:12]}){new}: the edge's state folder was lost, damaged or made for another "
+            "run; restore it, or join as a new client id with a new --state"
+        )
+
+
+def check_displacements(received: list[Received], deltas: list[Tensors], state: ServerState) -> dict[int, str]:
+    """The packets (by index) whose reconstructed displacement (eq. 11) is not finite or is an outlier,
+    with the reason: a packet with a valid tag can still carry values that would wreck v and c for
+    every edge. An outlier's norm is over ``MAX_DELTA_RATIO`` times the round's scale: the median of
+    this round's and the last round's finite displacements when there are at least three, else |v|.
+    """
+    norms = [norm(d) for d in deltas]
+    bad = {
+        i: f"{r.where}: client {r.packet.client_id!r}'s reconstructed displacement is not finite"
+        for i, (r, n) in enumerate(zip(received, norms, strict=True))
+        if not math.isfinite(n)
+    }
+    history = [n for n in norms if math.isfinite(n)] + list((state.last_summary or {}).get("delta_norms", {}).values())
+    if len(history) >= 3:
+        scale, of = statistics.median(history), "the median displacement"
+    else:
+        scale, of = norm(state.messenger), "|v|"
+    for i, (r, n) in enumerate(zip(received, norms, strict=True)):
+        if i not in bad and n > MAX_DELTA_RATIO * scale:
+            bad[i] = (
+                f"{r.where}: client {r.packet.client_id!r}'s displacement norm {n:.3e} is over {MAX_DELTA_RATIO:g}x "
+                f"{of} ({scale:.3e}) in round {state.round}; refused as an outlier"
+            )
+    return bad
+
+
+def check_round(
+    run_dir: Path, run: RunConfig, state: ServerState, received: list[Received], expected: Tensors | None = None
+) -> RoundHyperparams:
+    """:func:`check_packets` against this round's bundles; returns the round's hyperparameters."""
+    bundle_ids = {Bundle.load(RunFolder(run_dir).bundle(p, state.round)).bundle_id for p in run.profiles}
+    hp = round_hyperparams_for(run, state.round)
+    check_packets(received, state, run, bundle_ids, hp, expected)
+    return hp

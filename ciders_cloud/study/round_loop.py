@@ -1,0 +1,136 @@
+"""The rounds of a built study: each sampled client trains through ``ciders-edge train``'s code and
+writes a real packet, the cloud aggregates them through ``ciders-cloud aggregate``'s, and every round's
+client, round and evaluation records go to the study's ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from ciders_cloud.config import SimConfig
+from ciders_cloud.prepare import load_run
+from ciders_cloud.rounds import aggregate_files, hypergradient_packets
+from ciders_cloud.run_folder import StudyFolder
+from ciders_cloud.strategies import get_strategy, round_hyperparams_for
+from ciders_cloud.study.diagnostics import client_diagnostics
+from ciders_cloud.study.evaluation import evaluate_baseline, evaluate_round
+from ciders_edge.config import RoundHyperparams
+from ciders_edge.formats.atomic import append_jsonl
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.progress import console
+from ciders_edge.training.train import probe, train
+
+__all__ = ["run_rounds"]
+
+
+def run_rounds(cfg: SimConfig, study: StudyFolder, ids: list[str], domains: dict[str, str]) -> dict:
+    """The rounds of a built study; returns the last evaluation."""
+    run = study.run
+    rng = random.Random(cfg.seed)
+    strategy = get_strategy(cfg.algorithm)
+    last_eval: dict = {}
+    down = Bundle.load(run.bundle(cfg.profile, 0)).delta_bytes(None)  # round 0: the whole bundle
+    append_jsonl(study.metrics, evaluate_baseline(run.bundle(cfg.profile, 0), study, ids, domains, cfg))
+    for t in range(cfg.rounds):
+        started = time.perf_counter()
+        participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
+        bundle = run.bundle(cfg.profile, t)
+        probed = _probe(study, t, bundle, participants, cfg) if strategy.probes else {}
+        packets, outputs = [], {}
+        for cid in participants:
+            console.print(f"[bold]round {t}[/] {cid} ({strategy.name})")
+            packet = study.packet(t, cid)
+            outputs[cid] = train(
+                bundle,
+                study.train_data(cid),
+                study.client_state(cid),
+                packet,
+                profile=cfg.profile,
+                codec=cfg.codec,
+                client_id=cid,
+                hypergradient=probed.get("h"),
+            )
+            packets.append(packet)
+        agg = aggregate_files(run.root, packets)
+        hp = round_hyperparams_for(load_run(run.root), t)
+        deltas = {cid: o.delta_sent for cid, o in outputs.items()}
+        weights = dict(zip(agg["clients"], agg["weights"], strict=True))
+        diag = client_diagnostics(
+            deltas, {c: o.result.first_direction for c, o in outputs.items()}, weights, t, hp.gamma, hp.alpha
+        )
+        wall = time.perf_counter() - started
+        probe_up, probe_down = probed.get("bytes_up", {}), probed.get("bytes_down", 0)
+        records = [
+            _client_record(t, cid, hp, outputs[cid].summary, diag[cid], down + probe_down, probe_up.get(cid, 0))
+            for cid in participants
+        ]
+        records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, down))
+        down = agg["bytes_down"][cfg.profile]  # what each client fetches for the next round
+        if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
+            last_eval = evaluate_round(run.bundle(cfg.profile, t + 1), study, ids, domains, cfg)
+            records += last_eval["records"]
+        append_jsonl(study.metrics, records)
+    return last_eval
+
+
+def _probe(study: StudyFolder, t: int, bundle: Path, ids: list[str], cfg: SimConfig) -> dict:
+    """FedNest's first exchange: every client's gradient packet, then the cloud's hypergradient h."""
+    paths = []
+    for cid in ids:
+        console.print(f"[bold]round {t}[/] {cid} probe")
+        path = study.probe_packet(t, cid)
+        probe(bundle, study.train_data(cid), study.client_state(cid), path, client_id=cid, profile=cfg.profile)
+        paths.append(path)
+    summary = hypergradient_packets(study.run.root, [(str(p), p.read_bytes()) for p in paths])
+    return {**summary, "h": load_file(summary["path"])}
+
+
+def _client_record(
+    t: int, cid: str, hp: RoundHyperparams, s: dict, diag: dict, bytes_down: int, probe_bytes: int = 0
+) -> dict:
+    return {
+        "type": "client",
+        "round": t,
+        "client": cid,
+        "gamma": hp.gamma,
+        "loss_first": s["loss_first"],
+        "loss_last": s["loss_last"],
+        "dc_norm": s["dc_norm"],
+        "c_i_norm": s["c_i_norm"],
+        "r_fd": s["r_fd"],
+        "bytes_up": s["packet_bytes"] + probe_bytes,
+        "raw_bytes": s["raw_bytes"],
+        "bytes_down": bytes_down,
+        **diag,
+    }
+
+
+def _round_record(
+    cfg: SimConfig,
+    t: int,
+    wall: float,
+    participants: list[str],
+    hp: RoundHyperparams,
+    agg: dict,
+    probed: dict,
+    down: int,
+) -> dict:
+    probe_up, probe_down = probed.get("bytes_up", {}), probed.get("bytes_down", 0)
+    return {
+        "type": "round",
+        "round": t,
+        "algorithm": cfg.algorithm,
+        "wall_s": wall,
+        "participants": participants,
+        "v_change": agg["v_change"],
+        "c_norm": agg["c_norm"],
+        "gamma": hp.gamma,
+        "takd_last": agg["takd_last"],
+        "bytes_up": sum(agg["bytes_up"].values()) + sum(probe_up.values()),
+        "bytes_down": down + probe_down,  # per client, this round
+        **(probed.get("bilevel") or agg.get("bilevel") or {}),  # FedNest / LFedNest's hypergradient
+    }

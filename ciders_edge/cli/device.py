@@ -1,0 +1,88 @@
+"""``ciders-edge profiles`` and ``verify``: what this device is and what a bundle holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ciders_edge.cli_utils import JsonOpt, key_table, print_table, run_command
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.profiles import GIB, detect_profile, list_profiles, load_profile
+from ciders_edge.progress import console
+
+__all__ = ["profiles", "verify"]
+
+
+def profiles(
+    name: Annotated[str | None, typer.Argument(help="Show one profile (a name, `auto`, or a .toml path).")] = None,
+    detect: Annotated[bool, typer.Option(help="Show the profile `auto` picks on this device.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """List the device profiles, show one, or detect this device's."""
+
+    def body() -> dict:
+        if detect:
+            return {"detected": detect_profile().to_dict()}
+        if name is not None:
+            return {"profile": load_profile(name).to_dict()}
+        return {"profiles": [p.to_dict() for p in list_profiles()]}
+
+    run_command(body, as_json, _render_profiles)
+
+
+def _render_profiles(s: dict) -> None:
+    if "profiles" in s:
+        header = ("name", "target", "dtype", "memory", "depth", "drop", "rank", "seq×batch", "runtime")
+        print_table(key_table(header, [_profile_row(p) for p in s["profiles"]]))
+        return
+    p = s.get("profile") or s["detected"]
+    title = p["name"] + (" (detected)" if "detected" in s else "")
+    print_table(key_table(("key", "value"), [(k, str(v)) for k, v in p.items()], show_header=False, title=title))
+
+
+def _profile_row(p: dict) -> tuple[str, ...]:
+    return (
+        p["name"],
+        p["target"],
+        p["dtype"],
+        f"{p['memory_budget_gb']:g} GB",
+        str(p["messenger_depth"]),
+        f"{p['drop_ratio']:g}",
+        str(p["lora_rank"]),
+        f"{p['seq_len']}×{p['batch_size']}",
+        f"{p['runtime']}/{p['quantization']}",
+    )
+
+
+def verify(
+    bundle: Annotated[Path, typer.Option(help="Bundle folder.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Check every checksum of a bundle and show what it holds."""
+
+    def body() -> dict:
+        b = Bundle.load(bundle)
+        m = b.manifest
+        size = sum((b.path / f).stat().st_size for f in m["files"])
+        return {
+            "bundle": str(b.path),
+            "bundle_id": b.bundle_id,
+            "round": b.round,
+            "model": m["base_model"]["id"],
+            "kept_layers": m["split"]["kept"],
+            "messenger_depth": m["split"]["a"],
+            "profile": m["profile"]["name"],
+            "files": len(m["files"]),
+            "bytes": size,
+        }
+
+    def render(s: dict) -> None:
+        console.print(
+            f"[green]✓[/] {s['bundle']}: {s['files']} files verified ({s['bytes'] / GIB * 1024:.1f} MiB), "
+            f"round {s['round']}, {s['model']}, {len(s['kept_layers'])} kept layers, "
+            f"messenger depth {s['messenger_depth']}, profile {s['profile']}"
+        )
+
+    run_command(body, as_json, render)

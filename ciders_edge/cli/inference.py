@@ -1,0 +1,214 @@
+"""``ciders-edge infer`` and ``evaluate``: answer with a messenger, and score it on your data."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, key_table, print_table, run_command
+from ciders_edge.data.records import read_jsonl
+from ciders_edge.errors import ConfigError
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.inference.generation import GenerationSettings
+from ciders_edge.inference.infer import answer, answer_file
+from ciders_edge.inference.personalize import resolve_backbone
+from ciders_edge.inference.runtime import open_runtime
+from ciders_edge.profiles import load_profile
+from ciders_edge.progress import LazyBar, console, status
+
+__all__ = ["infer", "evaluate"]
+
+
+def infer(
+    prompt: Annotated[str | None, typer.Option(help="One prompt to answer.")] = None,
+    input: Annotated[Path | None, typer.Option("--input", help="JSONL of prompts (any training schema).")] = None,
+    output: Annotated[Path | None, typer.Option(help="JSONL to write the answers to (with --input).")] = None,
+    bundle: Annotated[Path | None, typer.Option(help="Bundle folder (torch runtime).")] = None,
+    state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
+    export: Annotated[Path | None, typer.Option(help="Export folder from `ciders-edge export`.")] = None,
+    use_global: Annotated[bool, typer.Option("--global", help="Run the bundle's global messenger.")] = False,
+    runtime: Annotated[str | None, typer.Option(help="torch or onnx (default: the export's, else torch).")] = None,
+    profile: Annotated[str | None, typer.Option(help="Device profile: dtype, device, ONNX providers.")] = None,
+    backbone: BackboneOpt = None,
+    base_model: BaseModelOpt = None,
+    stream: Annotated[bool, typer.Option(help="Print the answer as it is generated.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Answer a prompt (or a JSONL file) with the personalized model, in torch or ONNX Runtime."""
+
+    def body() -> dict:
+        if (prompt is None) == (input is None):
+            raise ConfigError("pass exactly one of --prompt or --input")
+        if (input is None) != (output is None):
+            raise ConfigError("--input and --output go together (prompts in, answers out)")
+        if output is not None and output.is_dir():
+            raise ConfigError(f"--output {output} is a folder; give the JSONL file to write")
+        if export is not None and bundle is None and (state is not None or use_global):
+            raise ConfigError("with --export, --state/--global only check the export: pass --bundle too, or neither")
+        records = read_jsonl(input) if input is not None else None  # bad input fails before the model loads
+        settings = GenerationSettings(max_new_tokens, temperature, top_p, seed)
+        prof = load_profile(profile) if profile else None
+        with status("loading the model"):
+            rt = open_runtime(
+                runtime,
+                bundle=bundle,
+                state=state,
+                export=export,
+                use_global=use_global,
+                profile=prof,
+                backbone=backbone,
+                base_model=base_model,
+            )
+        summary = {"runtime": rt.name, "providers": rt.providers, "source": rt.source}
+        if prompt is not None:
+            g = answer(rt, prompt, settings, _print_text if stream else None)
+            if stream:
+                sys.stdout.write("\n")
+            return {**summary, **g.to_dict()}
+        with LazyBar("prompts") as bar:
+            gens = answer_file(rt, records, output, settings, lambda i, n: bar.update(n, f"{i}/{n}"))
+        return {**summary, "answers": len(gens), "output": str(output), **_rates(gens)}
+
+    def render(s: dict) -> None:
+        if "text" in s and not stream:
+            sys.stdout.write(s["text"] + "\n")
+        src = s["source"]
+        who = (
+            f"client {src['client_id']} round {src['state_round']}"
+            if src["messenger"] == "personalized"
+            else (f"global messenger round {src['round']}")
+        )
+        who += ", AdapFu" if src.get("backbone") == "full" else ", AdapEmu"
+        what = f"{s['new_tokens']} tokens" if "text" in s else f"{s['answers']} answers → {s['output']}"
+        rate = f", {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] is not None else ""
+        console.print(f"[dim]{what}, first token {s['first_token_s']:.2f} s{rate} ({s['runtime']}, {who})[/]")
+
+    run_command(body, as_json, render)
+
+
+def evaluate(
+    bundle: Annotated[Path, typer.Option(help="Bundle folder.")],
+    data: Annotated[list[Path], typer.Option("--data", help="Evaluation JSONL (repeatable: one per --state).")],
+    state: Annotated[
+        list[Path] | None, typer.Option("--state", help="Client state whose personalized messenger is scored.")
+    ] = None,
+    backbone: BackboneOpt = None,
+    base_model: BaseModelOpt = None,
+    use_global: Annotated[bool, typer.Option("--global", help="Score the bundle's global messenger.")] = False,
+    base: Annotated[bool, typer.Option("--base", help="Score the messenger layers without LoRA.")] = False,
+    compare: Annotated[
+        bool,
+        typer.Option(help="Score the base model, the AdapEmu (global, personalized) and AdapFu (personalized)."),
+    ] = False,
+    limit: Annotated[int | None, typer.Option(help="Score only the first N records of each file.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Most tokens per generated answer.")] = 64,
+    profile: Annotated[str | None, typer.Option(help="Device profile: dtype and device.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Score messengers on your data: response NLL, exact match (records with `answer`), ROUGE-L (with `response`)."""
+    from ciders_edge.inference.evaluate import COMPARE, evaluate_models
+
+    def body() -> dict:
+        states = list(state or [])
+        if states and len(states) != len(data):
+            raise ConfigError(f"pass one --data per --state (got {len(data)} --data for {len(states)} --state)")
+        if use_global + base + compare > 1:
+            raise ConfigError("pass at most one of --global, --base and --compare")
+        if limit is not None and limit <= 0:
+            raise ConfigError(f"--limit must be positive, got {limit}")
+        b = Bundle.load(bundle)
+        if compare:
+            models = list(COMPARE)
+        else:
+            messenger = "global" if use_global else "base" if base else "personalized"
+            models = [(resolve_backbone(b, backbone), messenger)]
+        if any(m == "personalized" for _, m in models) and not states:
+            raise ConfigError("pass --state (the personalized messenger), or --global / --base")
+        edges = list(zip(states, data, strict=True)) if states else [(None, d) for d in data]
+        prof = load_profile(profile) if profile else None
+        with LazyBar("scoring") as bar:
+            rows = evaluate_models(
+                b,
+                edges,
+                models,
+                dtype=prof.torch_dtype if prof else None,
+                base_model=base_model,
+                limit=limit,
+                max_new_tokens=max_new_tokens,
+                on_progress=lambda label, i, n: bar.update(n, f"{label} {i}/{n}", completed=i),
+            )
+        return {"bundle": str(b.path), "round": b.round, "results": rows, "skipped": _skipped(rows)}
+
+    run_command(body, as_json, _render_evaluate)
+
+
+def _skipped(rows: list[dict]) -> list[str]:
+    """One note per file on records that could not be scored by some measure."""
+    notes = {}
+    for r in rows:
+        c = r["counts"]
+        missing = [
+            f"{c['records'] - c[k]} without {what} ({label} over {c[k]})"
+            for k, what, label in (
+                ("nll", "a response", "NLL"),
+                ("exact_match", "an `answer`", "exact match"),
+                ("rouge_l", "a `response`", "ROUGE-L"),
+            )
+            if c[k] < c["records"]
+        ]
+        if missing:
+            notes[r["data"]] = f"{r['data']}: {c['records']} records, " + "; ".join(missing)
+    return list(notes.values())
+
+
+def _render_evaluate(s: dict) -> None:
+    files = list(dict.fromkeys(r["data"] for r in s["results"]))
+    header = ["model", *(f"{Path(f).parent.name}/{Path(f).name}" for f in files)]
+    rows = []
+    for key in dict.fromkeys((r["backbone"], r["messenger"]) for r in s["results"]):
+        cells = {r["data"]: _cell(r) for r in s["results"] if (r["backbone"], r["messenger"]) == key}
+        rows.append([_model_label(*key), *(cells[f] for f in files)])
+    print_table(key_table(header, rows, whole_headers=True, title=s["bundle"]))
+    for note in s["skipped"]:
+        console.print(f"[dim]note: {note}[/]", highlight=False)
+
+
+def _model_label(backbone: str, messenger: str) -> str:
+    if (backbone, messenger) == ("full", "base"):
+        return "base model"
+    names = {"base": "base model", "global": "global messenger", "personalized": "personalized messenger"}
+    return f"{'AdapFu' if backbone == 'full' else 'AdapEmu'}, {names[messenger]}"
+
+
+def _cell(r: dict) -> str:
+    parts = []
+    if r["exact_match"] is not None:
+        parts.append(f"EM {r['exact_match']:.0%}")
+    if r["nll"] is not None:
+        parts.append(f"NLL {r['nll']:.3f}")
+    if r["rouge_l"] is not None and r["exact_match"] is None:
+        parts.append(f"ROUGE-L {r['rouge_l']:.3f}")
+    return "  ".join(parts) or "—"
+
+
+def _print_text(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _rates(gens: list) -> dict:
+    """Medians over a file's answers."""
+    rates = [g.decode_tokens_per_s for g in gens if g.decode_tokens_per_s is not None]
+    return {
+        "first_token_s": statistics.median(g.first_token_s for g in gens),
+        "decode_tokens_per_s": statistics.median(rates) if rates else None,
+        "new_tokens": sum(g.new_tokens for g in gens),
+    }

@@ -1,0 +1,161 @@
+"""How a bundle stores frozen weights: ``fp32``, ``bf16``, ``int8`` or ``int4``, apart from how the edge computes.
+
+An AdapEmu exists to be small, so its frozen weights (learnable backbone, messenger layers, the full
+backbone for AdapFu) may ship in 8 or 4 bits; the edge dequantizes them once, at load, into its profile's
+compute dtype, and training and inference never see a quantized tensor. LoRA, consensus and Δc packets
+keep their own formats.
+
+Quantization is weight-only, symmetric and blockwise along the input axis (``GROUP`` weights share one
+fp16 scale; the embedding table in ``int8`` has one scale per row), through torch's own groupwise ops
+(``quantized_decomposed.quantize_per_channel_group``, what ExecuTorch's 4-bit path emits). Each scale is
+rounded *up* to fp16, so no weight clips and every element is within half a step of its value:
+``|w - w_hat| <= scale / 2`` (the documented bound the tests check). Small blocks follow the few large
+channels of small LLMs such as SmolLM2 (see ``export/quantize.py``).
+
+A stored tensor ``name`` is its integers under ``name`` (int4: two per byte, low nibble first) and its
+scales under ``name + SCALE_SUFFIX``; the manifest records each tensor's format (:data:`FORMATS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed)
+from torch import Tensor
+
+from ciders_edge.errors import BundleError
+
+__all__ = ["STORAGES", "FORMATS", "GROUP", "SCALE_SUFFIX", "encode", "decode", "bytes_per_param"]
+
+STORAGES = ("fp32", "bf16", "int8", "int4")  # what a profile or `prepare --storage` may name
+GROUP = 32  # weights per scale
+SCALE_SUFFIX = ".qscale"
+# per-tensor formats a manifest may record: (integer bits or None, float dtype of stored values)
+FORMATS = {"fp32": None, "bf16": None, "int8-g32": 8, "int8-row": 8, "int4-g32": 4}
+_FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_OPS = torch.ops.quantized_decomposed
+_ROWS = 4096  # rows dequantized at once
+
+
+def tensor_format(name: str, t: Tensor, storage: str) -> str:
+    """The format ``storage`` gives one tensor: 2-D weights whose rows split into whole groups are
+    quantized (the embedding per row in int8: a token's vector keeps one scale); 1-D tensors (norms)
+    and odd shapes stay fp32 under int8/int4 (a few KiB), or follow a float storage."""
+    if storage in _FLOAT:
+        return storage
+    if t.dim() != 2 or t.shape[1] % GROUP or t.numel() < GROUP * GROUP:
+        return "fp32"
+    if storage == "int8" and "embed_tokens" in name:
+        return "int8-row"
+    return f"{storage}-g{GROUP}"
+
+
+def encode(tensors: dict[str, Tensor], storage: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The tensors to write for ``storage`` and each one's format (keyed by the original names)."""
+    stored, formats = {}, {}
+    for name, t in tensors.items():
+        fmt = formats[name] = tensor_format(name, t, storage)
+        if FORMATS[fmt] is None:
+            stored[name] = t.detach().to(_FLOAT[fmt])
+        else:
+            stored[name], stored[name + SCALE_SUFFIX] = _quantize(t.detach().float(), fmt)
+    return stored, formats
+
+
+class Stored(Protocol):
+    """What :func:`decode` reads: a dict, or a safetensors file opened lazily (one tensor at a time)."""
+
+    def __contains__(self, name: object) -> bool: ...
+    def __iter__(self) -> Iterator[str]: ...
+    def pop(self, name: str) -> Tensor: ...
+
+
+def decode(stored: Stored, formats: dict[str, str], dtype: torch.dtype, where: str) -> dict[str, Tensor]:
+    """The weights in compute ``dtype``; ``formats`` is the manifest's record for this file. Consumes
+    ``stored`` one tensor at a time, so the stored integers never sit beside all of the float weights.
+
+    Raises:
+        BundleError: a tensor the record names is missing, one is not in the record, or integers and
+            scales do not fit the format.
+    """
+    out = {}
+    for name, fmt in formats.items():
+        if fmt not in FORMATS:
+            raise BundleError(f"{where}: tensor {name}: unknown storage format {fmt!r}")
+        if name not in stored or (FORMATS[fmt] and name + SCALE_SUFFIX not in stored):
+            raise BundleError(f"{where}: tensor {name} ({fmt}) is missing")
+        if FORMATS[fmt] is None:
+            out[name] = stored.pop(name).to(dtype)
+            continue
+        q, scale = stored.pop(name), stored.pop(name + SCALE_SUFFIX)
+        _check_pair(q, scale, fmt, f"{where}: tensor {name}")
+        out[name] = _dequantize(q, scale, fmt, dtype)
+    for extra in stored:
+        raise BundleError(f"{where}: tensor {extra} is not in the manifest's storage record")
+    return out
+
+
+def _check_pair(q: Tensor, scale: Tensor, fmt: str, where: str) -> None:
+    packing = 2 if FORMATS[fmt] == 4 else 1
+    ok = q.dim() == 2 and q.dtype == (torch.uint8 if packing == 2 else torch.int8) and scale.dtype == torch.float16
+    cols = q.shape[1] * packing if q.dim() == 2 else 0
+    row = fmt.endswith("-row")
+    ok = ok and scale.shape == (q.shape[0], 1 if row else cols // GROUP) and (row or cols % GROUP == 0)
+    if not ok:
+        raise BundleError(
+            f"{where}: integers {tuple(q.shape)} {q.dtype} and scales {tuple(scale.shape)} {scale.dtype} are not {fmt}"
+        )
+
+
+def bytes_per_param(fmt: str) -> float:
+    """Stored bytes per weight (scales included), for size estimates and benchmarks."""
+    bits = FORMATS[fmt]
+    if bits is None:
+        return _FLOAT[fmt].itemsize
+    return bits / 8 + (0 if fmt.endswith("-row") else 2 / GROUP)
+
+
+def _group(fmt: str, t: Tensor) -> int:
+    return t.shape[1] if fmt.endswith("-row") else GROUP
+
+
+def _qmax(fmt: str) -> int:
+    return (1 << (FORMATS[fmt] - 1)) - 1  # 127 or 7; the symmetric grid leaves -128 / -8 unused
+
+
+def _quantize(w: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    group, qmax = _group(fmt, w), _qmax(fmt)
+    amax = w.reshape(-1, group).abs().amax(dim=1)
+    scale = (amax / qmax * (1 + 2**-10)).clamp_min(2**-24).half()  # up to fp16: |w| / scale <= qmax
+    zero = torch.zeros_like(scale, dtype=torch.int32)
+    q = _OPS.quantize_per_channel_group(w, scale.float(), zero, -qmax, qmax, torch.int8, group)
+    if FORMATS[fmt] == 4:
+        q = _pack_int4(q)
+    return q, scale.reshape(w.shape[0], -1)
+
+
+def _dequantize(q: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
+    """Row blocks at a time, so the op's float temporaries stay small next to the result (the
+    embedding alone is 113 MB in fp32 for SmolLM2)."""
+    qmax, rows = _qmax(fmt), q.shape[0]
+    out = torch.empty(rows, q.shape[1] * (2 if FORMATS[fmt] == 4 else 1), dtype=dtype)
+    for i in range(0, rows, _ROWS):
+        block = _unpack_int4(q[i : i + _ROWS]) if FORMATS[fmt] == 4 else q[i : i + _ROWS]
+        s = scale[i : i + _ROWS].float()
+        out[i : i + _ROWS] = _OPS.dequantize_per_channel_group(
+            block, s, None, -qmax, qmax, torch.int8, _group(fmt, block), dtype
+        )
+    return out
+
+
+# torch has no int4 storage dtype to save; two values per byte is what every int4 format does.
+def _pack_int4(q: Tensor) -> Tensor:
+    u = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def _unpack_int4(packed: Tensor) -> Tensor:
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).to(torch.int8)
+    return torch.where(nibbles > 7, nibbles - 16, nibbles)

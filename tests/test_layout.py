@@ -1,0 +1,72 @@
+"""The architecture the folders promise: the edge runtime stands alone, imports flow one way, modules stay small."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PACKAGES = ("ciders_edge", "ciders_cloud", "export")
+MAX_LINES = 320  # "small files with one job each"; a module past this is split by job
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, top_level_only: bool) -> set[str]:
+    """Modules of ours that ``path`` imports (at module level only, or anywhere)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in MODULES}
+    return found
+
+
+def test_the_edge_runtime_never_imports_the_cloud_or_the_exporter():
+    offenders = {
+        mod: sorted(i for i in _imports(path, top_level_only=False) if i.split(".")[0] != "ciders_edge")
+        for mod, path in MODULES.items()
+        if mod.startswith("ciders_edge")
+    }
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
+def test_module_imports_have_no_cycle():
+    graph = {mod: _imports(path, top_level_only=True) - {mod} for mod, path in MODULES.items()}
+    done, path = set(), []
+
+    def visit(mod: str) -> None:
+        if mod in path:
+            pytest.fail("import cycle: " + " -> ".join([*path[path.index(mod) :], mod]))
+        if mod in done:
+            return
+        path.append(mod)
+        for dep in sorted(graph[mod]):
+            if not MODULES[dep].name == "__init__.py":  # importing a package runs only its __init__
+                visit(dep)
+        path.pop()
+        done.add(mod)
+
+    for mod in sorted(graph):
+        visit(mod)
+
+
+def test_modules_stay_small():
+    sizes = {mod: len(path.read_text().splitlines()) for mod, path in MODULES.items()}
+    assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
