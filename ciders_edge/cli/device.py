@@ -34,7 +34,7 @@ def profiles(
 
 def _render_profiles(s: dict) -> None:
     if "profiles" in s:
-        header = ("name", "target", "dtype", "memory", "depth", "drop", "rank", "seq×batch", "runtime")
+        header = ("name", "target", "dtype/store", "mem", "depth", "drop", "rank", "seq×batch", "runtime")
         print_table(key_table(header, [_profile_row(p) for p in s["profiles"]]))
         return
     p = s.get("profile") or s["detected"]
@@ -42,12 +42,15 @@ def _render_profiles(s: dict) -> None:
     print_table(key_table(("key", "value"), [(k, str(v)) for k, v in p.items()], show_header=False, title=title))
 
 
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def _profile_row(p: dict) -> tuple[str, ...]:
     return (
         p["name"],
         p["target"],
-        p["dtype"],
-        f"{p['memory_budget_gb']:g} GB",
+        f"{_SHORT.get(p['dtype'], p['dtype'])}/{p['storage']}",  # compute dtype / how bundles store frozen weights
+        f"{p['memory_budget_gb']:g}G",
         str(p["messenger_depth"]),
         f"{p['drop_ratio']:g}",
         str(p["lora_rank"]),
@@ -76,13 +79,14 @@ def verify(
             "profile": m["profile"]["name"],
             "files": len(m["files"]),
             "bytes": size,
+            "storage": m.get("storage", {}).get("format", m["dtype"]),  # format 1: the compute dtype
         }
 
     def render(s: dict) -> None:
         console.print(
             f"[green]✓[/] {s['bundle']}: {s['files']} files verified ({s['bytes'] / GIB * 1024:.1f} MiB), "
             f"round {s['round']}, {s['model']}, {len(s['kept_layers'])} kept layers, "
-            f"messenger depth {s['messenger_depth']}, profile {s['profile']}"
+            f"messenger depth {s['messenger_depth']}, profile {s['profile']}, frozen weights stored {s['storage']}"
         )
 
     run_command(body, as_json, render)
