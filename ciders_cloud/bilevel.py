@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import random
 
+import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.device import to_cpu
 from ciders_cloud.hypergradient import indirect_term, second_order
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.takd import takd_terms
@@ -38,7 +40,7 @@ class TakdInner:
         copy_into(self.y, y)
         for p in (*self.x.values(), *self.y.values()):
             p.requires_grad_(True)
-        with sdpa_kernel(SDPBackend.MATH):  # the fused CPU kernels have no double-backward
+        with sdpa_kernel(SDPBackend.MATH):  # the fused CPU and CUDA kernels have no double-backward
             return takd_terms(self.models, self.batch, self.cfg)["loss"], self.x, self.y
 
 
@@ -46,17 +48,26 @@ def cloud_indirect_term(
     models: CloudModels, run: RunConfig, state: ServerState, hp: RoundHyperparams, grad_y_f: Tensors
 ) -> tuple[Tensors, dict]:
     """``-grad_xy g [grad_yy g]^-1 grad_y f`` at the round's (v, backbone), on a public batch
-    drawn for this round; the models hold the round's LoRAs again afterwards."""
+    drawn for this round; the models hold the round's LoRAs again afterwards.
+
+    The products run on the models' device in fp32, with no autocast: central differences at
+    ``eps = 1e-3`` (the fallback) over bf16 gradients would be rounding noise. ``q`` is a CPU tensor.
+    """
     cfg = run.takd_config
     examples = load_examples(run.public_data, models.tokenizer, cfg.seq_len)
     rng = random.Random(f"{run.seed}:ihgp:{state.round}")
-    batch = next(batch_stream(examples, hp.hvp_batch_size, rng, models.tokenizer.pad_token_id))
+    batch = models.on_device(next(batch_stream(examples, hp.hvp_batch_size, rng, models.tokenizer.pad_token_id)))
     inner = TakdInner(models, batch, cfg)
+    x, y, b = (_on(t, models.device) for t in (state.messenger, state.backbone, grad_y_f))
     try:
-        second = second_order(inner, state.messenger, state.backbone, hp.hvp)
-        q, info = indirect_term(second, grad_y_f, hp.neumann_terms, hp.neumann_l)
+        second = second_order(inner, x, y, hp.hvp)
+        q, info = indirect_term(second, b, hp.neumann_terms, hp.neumann_l)
     finally:
         set_trainable(models.emu, None)
         copy_into(inner.x, state.messenger)
         copy_into(inner.y, state.backbone)
-    return q, {**info, "hvp": second.method}
+    return to_cpu(q), {**info, "hvp": second.method}
+
+
+def _on(tensors: Tensors, device: torch.device) -> Tensors:
+    return {k: v.to(device) for k, v in tensors.items()}

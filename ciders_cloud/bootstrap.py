@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.device import autocast
 from ciders_cloud.takd import Distiller, hidden_term
 from ciders_cloud.teacher import CloudModels
 from ciders_edge.data.records import Example, batch_stream
@@ -68,14 +69,19 @@ class LayerAligner:
 
     def step(self) -> dict[str, float]:
         m, kept = self.models, self.models.split.kept
-        batch = next(self.batches)
-        with torch.no_grad():  # out[i]: the full backbone's stream after its first i layers
-            stream, ctx = layer_outputs(m.teacher, batch["input_ids"], batch["attention_mask"], m.split.n - m.split.a)
-        valid = batch["attention_mask"].bool()
-        for p in self.params:
-            p.requires_grad_(True)
-        losses = [self._layer_loss(j, stream[kept[j - 1] + 1], stream[kept[j] + 1], ctx, valid) for j in self.layers]
-        loss = torch.stack(losses).mean()
+        batch = m.on_device(next(self.batches))
+        with autocast(m.device):
+            with torch.no_grad():  # out[i]: the full backbone's stream after its first i layers
+                stream, ctx = layer_outputs(
+                    m.teacher, batch["input_ids"], batch["attention_mask"], m.split.n - m.split.a
+                )
+            valid = batch["attention_mask"].bool()
+            for p in self.params:
+                p.requires_grad_(True)
+            losses = [
+                self._layer_loss(j, stream[kept[j - 1] + 1], stream[kept[j] + 1], ctx, valid) for j in self.layers
+            ]
+            loss = torch.stack(losses).mean()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.cfg.clip > 0:
@@ -152,6 +158,10 @@ def _cache_path(run: RunConfig, models: CloudModels) -> Path:
         "steps": [run.layer_steps, run.align_steps],
         "seed": run.seed,
         "torch": torch.__version__,
+        # not the device: a CUDA fit (bf16 autocast) differs from the CPU's only in rounding, the same
+        # layers in meaning, like two CPUs whose kernels differ; a machine keeps reusing the one it has,
+        # so its runs stay alike to the bit, and a different device's run of the same recipe need not
+        # spend minutes again. A run's id and its bundles never depend on this cache's key.
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return ciders_home() / "bootstrap" / f"{digest}.safetensors"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ciders_cloud.device import autocast
 from ciders_cloud.teacher import CloudModels
 from ciders_edge.config import ConfigMixin
 from ciders_edge.data.records import Example, collate
@@ -49,12 +50,13 @@ def measure_fidelity(models: CloudModels, examples: list[Example], batch_size: i
     nll_full = nll_emu = kl = 0.0
     agree = tokens = 0
     for i in range(0, len(examples), batch_size):
-        b = collate(examples[i : i + batch_size], m.tokenizer.pad_token_id)
+        b = m.on_device(collate(examples[i : i + batch_size], m.tokenizer.pad_token_id))
         positions, targets = response_positions(b["labels"])
-        h_full, ctx_full = backbone_hidden(m.teacher, b["input_ids"], b["attention_mask"], split.n - split.a)
-        h_emu, ctx = backbone_hidden(m.emu, b["input_ids"], b["attention_mask"], split.n_kept)
-        full = messenger_logits(m.emu, h_full, ctx_full, split.n_kept, positions).float().log_softmax(-1)
-        emu = messenger_logits(m.emu, h_emu, ctx, split.n_kept, positions).float().log_softmax(-1)
+        with autocast(m.device):
+            h_full, ctx_full = backbone_hidden(m.teacher, b["input_ids"], b["attention_mask"], split.n - split.a)
+            h_emu, ctx = backbone_hidden(m.emu, b["input_ids"], b["attention_mask"], split.n_kept)
+            full = messenger_logits(m.emu, h_full, ctx_full, split.n_kept, positions).float().log_softmax(-1)
+            emu = messenger_logits(m.emu, h_emu, ctx, split.n_kept, positions).float().log_softmax(-1)
         nll_full += float(F.nll_loss(full, targets, reduction="sum"))
         nll_emu += float(F.nll_loss(emu, targets, reduction="sum"))
         kl += float(F.kl_div(emu, full, log_target=True, reduction="sum"))

@@ -14,6 +14,7 @@ from transformers import AutoConfig
 
 from ciders_cloud.bootstrap import bootstrap
 from ciders_cloud.config import RunConfig
+from ciders_cloud.device import CPU, cloud_device, to_cpu
 from ciders_cloud.fidelity import Fidelity, measure_fidelity
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
@@ -42,15 +43,20 @@ __all__ = [
 TAKD_LOSS_KEYS = ("hidden_loss", "lambda_hidden", "lambda_out", "lambda_task", "task_loss")  # shown in manifests
 
 
-def prepare(run: RunConfig, out: str | Path) -> dict:
+def prepare(run: RunConfig, out: str | Path, device: str | torch.device = "cpu") -> dict:
     """Algorithm 1 and the bootstrap; writes ``out`` with server state and one bundle per profile.
 
     The run folder is built beside ``out`` and renamed into place at the end, so a failure
     leaves nothing behind.
 
+    Args:
+        device: where TAKD and fidelity run (``auto``, ``cpu``, ``cuda``); not part of the run.
+
     Raises:
-        ConfigError: ``out`` exists, a profile is unknown, or the model does not fit a profile.
+        ConfigError: ``out`` exists, a profile is unknown, the model does not fit a profile, or
+            ``device`` is not here.
     """
+    device = cloud_device(device)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out}: already exists and is not empty; choose a new --out")
@@ -62,7 +68,7 @@ def prepare(run: RunConfig, out: str | Path) -> dict:
     run = run.replace(model_revision=model_revision(Path(run.model_path)))
     run = run.replace(run_id=run.run_id or run_identity(run))
 
-    models = build_cloud_models(run)
+    models = build_cloud_models(run, device=device)
     before = measure_fidelity(models, held)
     records, distiller = bootstrap(models, public, run)
     fidelity = measure_fidelity(models, held)
@@ -92,12 +98,14 @@ def prepare(run: RunConfig, out: str | Path) -> dict:
     return {**summary, "fidelity_before": before.to_dict() if before else None, "deploy": deploy}
 
 
-def distill(run_dir: str | Path, steps: int) -> dict:
-    """Continue TAKD warm-started from the saved backbone LoRA and optimizer; re-ship the bundles."""
+def distill(run_dir: str | Path, steps: int, device: str | torch.device = "cpu") -> dict:
+    """Continue TAKD warm-started from the saved backbone LoRA and optimizer; re-ship the bundles.
+    TAKD and fidelity run on ``device`` (``auto``, ``cpu``, ``cuda``)."""
+    device = cloud_device(device)
     run_dir, folder = Path(run_dir), RunFolder(run_dir)
     run = load_run(run_dir)
     state = ServerState.load(folder.server_state)
-    models = load_cloud_models(run_dir, run, state)
+    models = load_cloud_models(run_dir, run, state, device)
     public, held = public_split(run, models.tokenizer)
     distiller = Distiller(models, public, run.takd_config, state.optimizer, state.takd_step, run.seed)
     records = distiller.run(steps, round_=state.round, label="TAKD")
@@ -124,10 +132,10 @@ def run_identity(run: RunConfig) -> str:
     return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def load_cloud_models(run_dir: Path, run: RunConfig, state: ServerState) -> CloudModels:
-    """The run's models as the last command left them: source model, aligned layers, LoRA state."""
+def load_cloud_models(run_dir: Path, run: RunConfig, state: ServerState, device: torch.device = CPU) -> CloudModels:
+    """The run's models as the last command left them (source model, aligned layers, LoRA state), on ``device``."""
     aligned = RunFolder(run_dir).aligned
-    return build_cloud_models(run, state, load_file(aligned) if aligned.is_file() else None)
+    return build_cloud_models(run, state, load_file(aligned) if aligned.is_file() else None, device)
 
 
 def load_run(run_dir: Path) -> RunConfig:
@@ -189,13 +197,13 @@ def bundle_contents(
         config=emu.config,
         tokenizer=models.tokenizer,
         generation_config=emu.generation_config,
-        base_weights={k: v.to(profile.torch_dtype) for k, v in models.base_weights.items()},
+        base_weights=to_cpu(models.base_weights, profile.torch_dtype),
         messenger_lora=state.messenger,
         messenger_peft_config=peft_config(emu, run.lora_settings, split.emu_messenger),
         backbone_lora=state.backbone,
         backbone_peft_config=peft_config(emu, run.backbone_lora_settings, list(range(split.n_kept))),
         consensus=state.consensus,
-        full_backbone={k: v.to(profile.torch_dtype) for k, v in full.items()} if full is not None else None,
+        full_backbone=to_cpu(full, profile.torch_dtype) if full is not None else None,
         full_config=models.teacher.config if full is not None else None,
         storage=run.storage or profile.storage,
     )

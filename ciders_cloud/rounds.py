@@ -16,6 +16,7 @@ import torch
 from ciders_cloud.aggregation import participation_weights, reconstruct_displacement, weighted_sum
 from ciders_cloud.bilevel import cloud_indirect_term
 from ciders_cloud.config import RunConfig
+from ciders_cloud.device import cloud_device
 from ciders_cloud.fidelity import measure_fidelity
 from ciders_cloud.intake import Received, check_displacements, check_round, read_packets
 from ciders_cloud.prepare import fidelity_record, load_cloud_models, load_run, write_bundles, write_round_log
@@ -41,24 +42,30 @@ def _check_finite(tensors: Tensors, what: str) -> None:
             raise PacketError(f"{what}: tensor {name} is not finite; nothing was written")
 
 
-def aggregate_files(run_dir: str | Path, packet_paths: list[str | Path]) -> dict:
-    """The CLI's body: read packet files and run :func:`aggregate_packets`."""
+def aggregate_files(run_dir: str | Path, packet_paths: list[str | Path], device: str | torch.device = "cpu") -> dict:
+    """The CLI's body: read packet files and run :func:`aggregate_packets` (its TAKD, fidelity and
+    hypergradient on ``device``)."""
+    device = cloud_device(device)
     items = []
     for path in packet_paths:
         path = Path(path)
         if not path.is_file():
             raise PacketError(f"{path}: no such packet file")
         items.append((str(path), path.read_bytes()))
-    return aggregate_packets(Path(run_dir), items)
+    return aggregate_packets(Path(run_dir), items, device=device)
 
 
-def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]], drop_outliers: bool = False) -> dict:
+def aggregate_packets(
+    run_dir: Path, items: list[tuple[str, bytes]], drop_outliers: bool = False, device: str | torch.device = "cpu"
+) -> dict:
     """Eq. (11)–(13) for one round; returns a summary of what happened.
 
     A packet whose displacement is not finite or an outlier fails the round, nothing written; with
     ``drop_outliers`` (the fleet, where one bad edge must not stop the others) it is left out with its
-    reason in the summary's ``dropped``, and its client's c_i stays as it was.
+    reason in the summary's ``dropped``, and its client's c_i stays as it was. TAKD, fidelity and
+    FedNest's Hessian products run on ``device`` (``auto``, ``cpu``, ``cuda``); the state stays on the CPU.
     """
+    device = cloud_device(device)
     folder = RunFolder(run_dir)
     run = load_run(run_dir)
     state = ServerState.load(folder.server_state)
@@ -81,7 +88,7 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]], drop_outlie
             raise PacketError(f"round {state.round}: every packet was refused ({'; '.join(dropped.values())})")
         deltas, new_clients = _reconstruct(received, state, hp)
     weights = participation_weights([r.packet.num_examples for r in received])
-    models = load_cloud_models(run_dir, run, state)
+    models = load_cloud_models(run_dir, run, state, device)
     bilevel = {}
     if hp.send_grad_y:  # LFedNest: the hypergradient's indirect term, at the round's (x, y)
         grad_y = weighted_sum([r.packet.tensors for r in received], weights, state.backbone)
@@ -130,10 +137,12 @@ def aggregate_packets(run_dir: Path, items: list[tuple[str, bytes]], drop_outlie
     return summary
 
 
-def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict:
+def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]], device: str | torch.device = "cpu") -> dict:
     """FedNest's cloud step between a round's two exchanges: the global hypergradient
     ``h = sum p_i grad_x f_i - grad_xy g [grad_yy g]^-1 sum p_i grad_y f_i`` from the probe
-    packets, written for the edges' svrg steps; the server state does not change."""
+    packets, written for the edges' svrg steps; the server state does not change. The Hessian
+    products run on ``device``."""
+    device = cloud_device(device)
     run = load_run(run_dir)
     state = ServerState.load(RunFolder(run_dir).server_state)
     received = read_packets(run_dir, items)
@@ -147,7 +156,7 @@ def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> dict
     grads = [r.packet.tensors for r in received]
     grad_x = weighted_sum(grads, weights, state.messenger)
     grad_y = weighted_sum(grads, weights, state.backbone)
-    q, info = cloud_indirect_term(load_cloud_models(run_dir, run, state), run, state, hp, grad_y)
+    q, info = cloud_indirect_term(load_cloud_models(run_dir, run, state, device), run, state, hp, grad_y)
     h = add(grad_x, q)
     path = RunFolder(run_dir).hypergradient(state.round)
     write_safetensors(path, h, {"round": str(state.round)})

@@ -104,16 +104,18 @@ def _optimizer(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, torch
 
 
 def optimizer_to_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """AdamW's per-parameter moments as ``"{index}.{name}"`` tensors (no pickling)."""
+    """AdamW's per-parameter moments as ``"{index}.{name}"`` CPU tensors (no pickling; the optimizer
+    may run on a GPU, the state file holds CPU tensors)."""
     out = {}
     for idx, st in opt.state_dict()["state"].items():
         for name, v in st.items():
-            out[f"{idx}.{name}"] = v if torch.is_tensor(v) else torch.tensor(v)
+            out[f"{idx}.{name}"] = v.to("cpu") if torch.is_tensor(v) else torch.tensor(v)
     return out
 
 
 def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    """Restore moments saved by :func:`optimizer_to_tensors` into ``opt`` (same parameter order)."""
+    """Restore moments saved by :func:`optimizer_to_tensors` into ``opt`` (same parameter order; torch
+    moves each moment to its parameter's device)."""
     if not tensors:
         return
     sd = opt.state_dict()

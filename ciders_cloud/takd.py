@@ -17,6 +17,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.device import autocast
 from ciders_cloud.server_state import optimizer_from_tensors, optimizer_to_tensors
 from ciders_cloud.teacher import CloudModels
 from ciders_edge.data.records import IGNORE, Example, batch_stream, load_examples
@@ -98,8 +99,10 @@ def takd_loss(
 
 def takd_terms(models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -> dict[str, Tensor]:
     """Eq. (2) on one batch, differentiable in whatever requires grad (the teacher's messenger is the
-    AdapEmu's, so the loss depends on the messenger LoRA through both sides)."""
+    AdapEmu's, so the loss depends on the messenger LoRA through both sides). The caller picks the
+    precision (:func:`ciders_cloud.device.autocast` or none)."""
     m, split = models, models.split
+    batch = m.on_device(batch)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     valid = torch.nonzero(mask[:, :-1].bool(), as_tuple=True)  # tokens that predict a next one
     targets = batch["labels"][:, 1:][valid]
@@ -166,7 +169,8 @@ class Distiller:
         set_trainable(self.models.emu, None)  # the messenger (and so the teacher's logits) has no graph
         for p in self.params:
             p.requires_grad_(True)
-        terms = takd_terms(self.models, next(self.batches), self.cfg)
+        with autocast(self.models.device):
+            terms = takd_terms(self.models, next(self.batches), self.cfg)
         self.optimizer.zero_grad(set_to_none=True)
         terms["loss"].backward()
         if self.cfg.clip > 0:

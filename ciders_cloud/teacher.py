@@ -1,6 +1,7 @@
 """The cloud's two models: the frozen full model M* (the cloud teacher: full backbone B_F and the
 original top layers) and the AdapEmu (the learnable backbone B_L with the messenger on top) with both
-LoRAs, the messenger's v and the backbone's. :class:`CloudModels` holds them for TAKD and bundles."""
+LoRAs, the messenger's v and the backbone's. :class:`CloudModels` holds them for TAKD and bundles, on
+the run's compute device; what it hands out for the disk is on the CPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from peft import PeftModel
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ciders_cloud.config import RunConfig
+from ciders_cloud.device import CPU, to_cpu
 from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import StateError
 from ciders_edge.model.families import family_of
@@ -31,6 +33,11 @@ class CloudModels:
     base_weights: dict[str, torch.Tensor]  # AdapEmu weights without LoRA, for bundles (views of the live weights)
     split: SplitSpec
     tokenizer: PreTrainedTokenizerBase
+    device: torch.device = CPU  # where both models live and compute
+
+    def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A collated batch (built on the CPU) on the models' device."""
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def changed_layers(self) -> dict[str, torch.Tensor]:
         """The AdapEmu base weights that differ from the source layers they were copied from (prepare's
@@ -40,7 +47,7 @@ class CloudModels:
         for j, i in enumerate(self.split.kept):
             layer = {k: v for k, v in self.base_weights.items() if k.startswith(f"model.layers.{j}.")}
             if any(not torch.equal(v, source[k.replace(f"layers.{j}.", f"layers.{i}.", 1)]) for k, v in layer.items()):
-                out.update({k: v.clone() for k, v in layer.items()})
+                out.update({k: v.to("cpu", copy=True) for k, v in layer.items()})
         return out
 
     def full_backbone(self) -> dict[str, torch.Tensor]:
@@ -51,17 +58,19 @@ class CloudModels:
         unchanged = {i for j, i in enumerate(self.split.kept) if j not in changed}
         needed = [i for i in range(self.split.n - self.split.a) if i not in unchanged]
         source = self.teacher.state_dict()
-        return {k: v for k, v in source.items() for i in needed if k.startswith(f"model.layers.{i}.")}
+        return to_cpu({k: v for k, v in source.items() for i in needed if k.startswith(f"model.layers.{i}.")})
 
     def messenger_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in lora_state(self.emu, MESSENGER_ADAPTER).items()}
+        """A CPU copy of v."""
+        return {k: v.to("cpu", copy=True) for k, v in lora_state(self.emu, MESSENGER_ADAPTER).items()}
 
     def load_messenger(self, v: dict[str, torch.Tensor]) -> None:
         """Hold ``v`` as the messenger LoRA (for TAKD after aggregation)."""
         load_lora_state(self.emu, v, MESSENGER_ADAPTER)
 
     def backbone_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in lora_state(self.emu, BACKBONE_ADAPTER).items()}
+        """A CPU copy of the backbone LoRA."""
+        return {k: v.to("cpu", copy=True) for k, v in lora_state(self.emu, BACKBONE_ADAPTER).items()}
 
 
 def split_for(run: RunConfig) -> SplitSpec:
@@ -72,10 +81,13 @@ def split_for(run: RunConfig) -> SplitSpec:
 
 
 def build_cloud_models(
-    run: RunConfig, state: ServerState | None = None, aligned: dict[str, torch.Tensor] | None = None
+    run: RunConfig,
+    state: ServerState | None = None,
+    aligned: dict[str, torch.Tensor] | None = None,
+    device: torch.device = CPU,
 ) -> CloudModels:
-    """Load M*, build its AdapEmu with the run's ``aligned`` layers (prepare's bootstrap), attach the
-    LoRAs (seeded) and, if given, load their state."""
+    """Load M*, build its AdapEmu with the run's ``aligned`` layers (prepare's bootstrap), both on
+    ``device``, attach the LoRAs (seeded) and, if given, load their state."""
     path = Path(run.model_path)
     split = split_for(run)
     teacher = load_model(path).eval().requires_grad_(False)
@@ -85,6 +97,8 @@ def build_cloud_models(
         if missing:
             raise StateError(f"aligned layer tensors {missing[:2]} do not belong to this run's AdapEmu")
         emu.load_state_dict(aligned, strict=False)
+    teacher.to(device)
+    emu.to(device)  # before the views below are taken and the LoRAs attached (PEFT draws their init on the CPU)
     base = {k: v for k, v in emu.state_dict().items()}
     if emu.config.tie_word_embeddings:
         base.pop("lm_head.weight", None)
@@ -93,4 +107,4 @@ def build_cloud_models(
     if state is not None:
         load_lora_state(model, state.messenger, MESSENGER_ADAPTER)
         load_lora_state(model, state.backbone, BACKBONE_ADAPTER)
-    return CloudModels(teacher, model, base, split, load_tokenizer(path))
+    return CloudModels(teacher, model, base, split, load_tokenizer(path), device)

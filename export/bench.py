@@ -26,7 +26,7 @@ from ciders_edge.errors import CidersError, ConfigError, ExportError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.export_folder import MANIFEST, Export
 from ciders_edge.inference.personalize import Source, personal_messenger, resolve_backbone
-from ciders_edge.profiles import DeviceProfile, load_profile
+from ciders_edge.profiles import DeviceProfile, load_profile, pick_device
 from export.api import Stage, export_model
 
 __all__ = ["BenchSettings", "bench", "RUNTIME_CHOICES"]
@@ -95,7 +95,9 @@ def bench(
             targets[name] = None
             if RUNTIME_CHOICES[name] is not None:
                 targets[name] = _export_for(name, source, subject, root / name, stage)
-        with stage(f"measuring {', '.join(settings.runtimes)} side by side"):
+        compiles = "torch" in settings.runtimes and pick_device(prof).type == "cuda"
+        warm = "; torch compiles its GPU decode during the warm-up" if compiles else ""
+        with stage(f"measuring {', '.join(settings.runtimes)} side by side{warm}"):
             rows = _measure_side_by_side(targets, subject, prof, settings)
     train = None
     if settings.train_steps:
@@ -210,9 +212,15 @@ def _load_runtime(name, subject: Subject, export, prof: DeviceProfile, settings:
     load_s = time.perf_counter() - start
     gen = GenerationSettings(max_new_tokens=settings.new_tokens, min_new_tokens=settings.new_tokens)
     ids = encode_prompt(rt.tokenizer, [{"role": "user", "content": PROMPT}], rt.context, gen.max_new_tokens)
-    generate(rt.model, rt.tokenizer, ids, gen.replace(max_new_tokens=4, min_new_tokens=4))  # warm-up
+    start = time.perf_counter()
+    # warm-up; a compiled torch decode compiles here, at the timed length, so the timed generations replay
+    warm = gen if rt.decode == "compiled" else gen.replace(max_new_tokens=4, min_new_tokens=4)
+    generate(rt.model, rt.tokenizer, ids, warm)
+    warmup_s = time.perf_counter() - start
     files = Path(export) if export is not None else Path(subject.bundle)
     info = {
+        "decode": rt.decode if export is None else None,  # torch: eager, or compiled (static cache, CUDA graphs)
+        "warmup_s": warmup_s,  # the first generation, not timed: compiling, if compiled
         "providers": rt.providers,
         "files_bytes": sum(f.stat().st_size for f in files.rglob("*") if f.is_file()),
         "load_s": load_s,
@@ -270,7 +278,6 @@ def _measure_train_step(bundle, prof: DeviceProfile, steps: int) -> dict:
     from ciders_edge.cli_utils import quiet_libraries
     from ciders_edge.data.records import IGNORE, Example
     from ciders_edge.model.adapemu import load_edge_model
-    from ciders_edge.profiles import pick_device
     from ciders_edge.training.round import round_hyperparams, train_round
 
     quiet_libraries()

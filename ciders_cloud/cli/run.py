@@ -10,6 +10,7 @@ import typer
 
 from ciders_cloud.config import RunConfig, TakdConfig
 from ciders_cloud.config_file import merge_config
+from ciders_cloud.device import cloud_device
 from ciders_cloud.fidelity import Fidelity
 from ciders_cloud.lock import run_lock
 from ciders_cloud.prepare import distill as distill_run
@@ -22,7 +23,15 @@ from ciders_edge.model.lora import LoraSettings
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
 
-__all__ = ["prepare", "distill", "aggregate", "locked"]
+__all__ = ["prepare", "distill", "aggregate", "locked", "DeviceOpt"]
+
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        help="Where the cloud's torch work runs (TAKD, fidelity, FedNest's Hessian products, simulate's evaluation):"
+        " auto (CUDA when present), cpu or cuda."
+    ),
+]
 
 
 def prepare(
@@ -56,11 +65,13 @@ def prepare(
         str | None,
         typer.Option(help="How bundles store frozen weights: fp32, bf16, int8 or int4 (default: each profile's)."),
     ] = None,
+    device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Split the model (Algorithm 1), align the learnable backbone by TAKD, write one bundle per profile."""
 
     def body() -> dict:
+        where = cloud_device(device)  # refused before anything is read or written
         flags = {
             "model": model,
             "profiles": profile,
@@ -84,7 +95,7 @@ def prepare(
         merged.setdefault("lora", LoraSettings(rank=first.lora_rank).to_dict())
         merged["takd"] = TakdConfig.from_dict(merged["takd"]).to_dict()
         merged["hyperparameters"] = RoundHyperparams.from_dict(merged.get("hyperparameters", {})).to_dict()
-        return prepare_run(RunConfig.from_dict(merged, where="flags"), out)  # the file was checked at load
+        return prepare_run(RunConfig.from_dict(merged, where="flags"), out, where)  # the file was checked at load
 
     run_command(body, as_json, _render)
 
@@ -102,15 +113,22 @@ def locked(run: Path, command: str, body: Callable[[], dict]) -> Callable[[], di
 def distill(
     run: Annotated[Path, typer.Option(help="Run folder made by `prepare`.")],
     steps: Annotated[int, typer.Option(help="TAKD steps to add, warm-started.")] = 5,
+    device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Continue TAKD of the learnable backbone and re-ship the current round's bundles."""
-    run_command(locked(run, "distill", lambda: distill_run(run, steps)), as_json, _render)
+
+    def body() -> dict:
+        where = cloud_device(device)  # refused before the run is locked or read
+        return locked(run, "distill", lambda: distill_run(run, steps, where))()
+
+    run_command(body, as_json, _render)
 
 
 def aggregate(
     run: Annotated[Path, typer.Option(help="Run folder.")],
     packets: Annotated[list[Path], typer.Option("--packets", help="Δc packets of this round (repeatable).")],
+    device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Close one round: check the packets, reconstruct and aggregate (eq. 11–12), TAKD (eq. 13), ship bundles."""
@@ -128,7 +146,11 @@ def aggregate(
         for name, path in s["bundles"].items():
             console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
 
-    run_command(locked(run, "aggregate", lambda: aggregate_files(run, packets)), as_json, render)
+    def body() -> dict:
+        where = cloud_device(device)  # refused before the run is locked or read
+        return locked(run, "aggregate", lambda: aggregate_files(run, packets, where))()
+
+    run_command(body, as_json, render)
 
 
 def _render(s: dict) -> None:

@@ -7,8 +7,10 @@ from typing import Annotated
 
 import typer
 
+from ciders_cloud.cli.run import DeviceOpt
 from ciders_cloud.config import SimConfig
 from ciders_cloud.config_file import merge_config
+from ciders_cloud.device import cloud_device
 from ciders_cloud.strategies import STRATEGIES
 from ciders_cloud.study.report import report as report_runs
 from ciders_cloud.study.simulate import simulate as simulate_run
@@ -61,11 +63,13 @@ def simulate(
     lr: Annotated[float | None, typer.Option(help="Base learning rate eta.")] = None,
     gamma: Annotated[float | None, typer.Option(help="Constant gamma (with --gamma-schedule constant).")] = None,
     gamma_schedule: Annotated[str | None, typer.Option(help="constant or protocol-c.")] = None,
+    device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate the cloud and N edges in one process, through the same code as the CLIs."""
 
     def body() -> dict:
+        where = cloud_device(device)  # refused before anything is read or written
         flags = {
             "model": model,
             "data": data,
@@ -92,7 +96,7 @@ def simulate(
         }
         hp = {"eta": lr, "gamma": gamma, "local_steps": local_steps}  # the flag beats a file's [hyperparameters]
         merged = merge_config(config, flags, {"hyperparameters": hp}, command="simulate")
-        return simulate_run(SimConfig.from_dict(merged, where="flags"), out)  # the file was checked at load
+        return simulate_run(SimConfig.from_dict(merged, where="flags"), out, where)  # the file was checked at load
 
     def render(s: dict) -> None:
         console.print(f"[green]✓[/] {s['algorithm']}: {s['clients']} clients × {s['rounds']} rounds in {s['out']}")

@@ -1,14 +1,18 @@
 """Evaluation for ``simulate``: held-out NLL with personalized and global messengers, ROUGE-L,
 exact match, and the cross-domain NLL matrix with Delta_cross (paper §VI-E), on the AdapEmu; the
 matched-domain NLL of the personalized messenger on AdapFu (the full backbone) beside it; and the
-round-0 baseline every gain is measured from."""
+round-0 baseline every gain is measured from. The models run on the study's cloud device (bf16
+autocast on CUDA, as :mod:`ciders_cloud.device` says)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from statistics import mean
 
+import torch
+
 from ciders_cloud.config import SimConfig
+from ciders_cloud.device import CPU, autocast
 from ciders_cloud.run_folder import StudyFolder
 from ciders_edge.data.records import load_examples, read_jsonl, to_chat
 from ciders_edge.formats.bundle import Bundle
@@ -40,51 +44,56 @@ def _eval_examples(study: StudyFolder, cid: str, tokenizer, cfg: SimConfig) -> l
     return load_examples(study.eval_data(cid), tokenizer, 512)[: cfg.eval_examples]
 
 
+def _on(edge: EdgeModel, device: torch.device) -> EdgeModel:
+    """``edge`` with its model moved to ``device`` (the batches follow the model)."""
+    edge.model.to(device)
+    return edge
+
+
 def evaluate_baseline(
-    bundle_dir: Path, study: StudyFolder, ids: list[str], domains: dict[str, str], cfg: SimConfig
+    bundle_dir: Path,
+    study: StudyFolder,
+    ids: list[str],
+    domains: dict[str, str],
+    cfg: SimConfig,
+    device: torch.device = CPU,
 ) -> list[dict]:
     """Before any training: each client's held-out NLL on the round-0 AdapEmu and on the base model
     (AdapFu with the round-0 messenger, which is the base model's own)."""
     bundle = Bundle.load(bundle_dir)
     records = []
     models = [("emu", load_edge_model(bundle))] + ([("full", load_adapfu(bundle))] if bundle.has_full_backbone else [])
+    models = [(name, _on(edge, device)) for name, edge in models]
     for cid in ids:
         rec = {"type": "baseline", "round": -1, "client": cid, "domain": domains[cid]}
         for name, edge in models:
-            rec[f"nll_{name}"] = messenger_nll(
-                edge, backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
-            )
+            with autocast(device):
+                batches = backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
+                rec[f"nll_{name}"] = messenger_nll(edge, batches)
         records.append(rec)
     return records
 
 
 def evaluate_round(
-    bundle_dir: Path, study: StudyFolder, ids: list[str], domains: dict[str, str], cfg: SimConfig
+    bundle_dir: Path,
+    study: StudyFolder,
+    ids: list[str],
+    domains: dict[str, str],
+    cfg: SimConfig,
+    device: torch.device = CPU,
 ) -> dict:
     """Score every client on its held-out data; the matrix when clients hold different domains."""
-    edge = load_edge_model(Bundle.load(bundle_dir))
-    v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
-    round_ = edge.bundle.round - 1
-    with progress_bar() as bar:  # minutes on SmolLM2: one backbone pass and one matrix row per client
-        task = bar.add_task(f"round {round_} evaluation", total=2 * len(ids), metrics="")
-        evals = {}  # through the shared backbone once: each row of the matrix only swaps the messenger
-        for cid in ids:
-            evals[cid] = backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
-            bar.update(task, advance=1, metrics=f"backbone pass {cid}")
-        records, matrix = [], []
-        for cid in ids:
-            record, row = _client_record(edge, v, evals, study, cid, ids, cfg)
-            records.append({"type": "eval", "round": round_, "client": cid, "domain": domains[cid], **record})
-            matrix.append(row)
-            bar.update(task, advance=1, metrics=f"{cid} NLL {records[-1]['nll_personal']:.3f}")
-    full = _adapfu_nll(edge.bundle, study, ids, cfg)
+    edge = _on(load_edge_model(Bundle.load(bundle_dir)), device)
+    with autocast(device):
+        records, matrix = _score_clients(edge, study, ids, domains, cfg)
+        full = _adapfu_nll(edge.bundle, study, ids, cfg, device)
     for rec in records:
         rec.update(full.get(rec["client"], {}))
     cross = delta_cross(matrix) if len(set(domains.values())) > 1 else None
     records.append(
         {
             "type": "cross",
-            "round": round_,
+            "round": edge.bundle.round - 1,
             "clients": ids,
             "domains": [domains[c] for c in ids],
             "matrix": matrix,
@@ -101,11 +110,34 @@ def evaluate_round(
     }
 
 
-def _adapfu_nll(bundle: Bundle, study: StudyFolder, ids: list[str], cfg: SimConfig) -> dict[str, dict]:
+def _score_clients(
+    edge: EdgeModel, study: StudyFolder, ids: list[str], domains: dict[str, str], cfg: SimConfig
+) -> tuple[list[dict], list[list[float]]]:
+    """Every client's eval record on the AdapEmu, and the cross-domain NLL matrix's rows."""
+    v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
+    round_ = edge.bundle.round - 1
+    with progress_bar() as bar:  # minutes on SmolLM2: one backbone pass and one matrix row per client
+        task = bar.add_task(f"round {round_} evaluation", total=2 * len(ids), metrics="")
+        evals = {}  # through the shared backbone once: each row of the matrix only swaps the messenger
+        for cid in ids:
+            evals[cid] = backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
+            bar.update(task, advance=1, metrics=f"backbone pass {cid}")
+        records, matrix = [], []
+        for cid in ids:
+            record, row = _client_record(edge, v, evals, study, cid, ids, cfg)
+            records.append({"type": "eval", "round": round_, "client": cid, "domain": domains[cid], **record})
+            matrix.append(row)
+            bar.update(task, advance=1, metrics=f"{cid} NLL {records[-1]['nll_personal']:.3f}")
+    return records, matrix
+
+
+def _adapfu_nll(
+    bundle: Bundle, study: StudyFolder, ids: list[str], cfg: SimConfig, device: torch.device
+) -> dict[str, dict]:
     """Each client's personalized (and the global) messenger on AdapFu, on its own held-out data."""
     if not bundle.has_full_backbone:
         return {}
-    edge = load_adapfu(bundle)
+    edge = _on(load_adapfu(bundle), device)
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
     scores = {}
     for cid in ids:

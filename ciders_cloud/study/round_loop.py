@@ -9,6 +9,7 @@ import random
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from ciders_cloud.config import SimConfig
@@ -27,19 +28,21 @@ from ciders_edge.training.train import probe, train
 __all__ = ["run_rounds"]
 
 
-def run_rounds(cfg: SimConfig, study: StudyFolder, ids: list[str], domains: dict[str, str]) -> dict:
-    """The rounds of a built study; returns the last evaluation."""
+def run_rounds(
+    cfg: SimConfig, study: StudyFolder, ids: list[str], domains: dict[str, str], device: torch.device
+) -> dict:
+    """The rounds of a built study, the cloud's part and the evaluation on ``device``; returns the last evaluation."""
     run = study.run
     rng = random.Random(cfg.seed)
     strategy = get_strategy(cfg.algorithm)
     last_eval: dict = {}
     down = Bundle.load(run.bundle(cfg.profile, 0)).delta_bytes(None)  # round 0: the whole bundle
-    append_jsonl(study.metrics, evaluate_baseline(run.bundle(cfg.profile, 0), study, ids, domains, cfg))
+    append_jsonl(study.metrics, evaluate_baseline(run.bundle(cfg.profile, 0), study, ids, domains, cfg, device))
     for t in range(cfg.rounds):
         started = time.perf_counter()
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
         bundle = run.bundle(cfg.profile, t)
-        probed = _probe(study, t, bundle, participants, cfg) if strategy.probes else {}
+        probed = _probe(study, t, bundle, participants, cfg, device) if strategy.probes else {}
         packets, outputs = [], {}
         for cid in participants:
             console.print(f"[bold]round {t}[/] {cid} ({strategy.name})")
@@ -55,7 +58,7 @@ def run_rounds(cfg: SimConfig, study: StudyFolder, ids: list[str], domains: dict
                 hypergradient=probed.get("h"),
             )
             packets.append(packet)
-        agg = aggregate_files(run.root, packets)
+        agg = aggregate_files(run.root, packets, device)
         hp = round_hyperparams_for(load_run(run.root), t)
         deltas = {cid: o.delta_sent for cid, o in outputs.items()}
         weights = dict(zip(agg["clients"], agg["weights"], strict=True))
@@ -71,13 +74,13 @@ def run_rounds(cfg: SimConfig, study: StudyFolder, ids: list[str], domains: dict
         records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, down))
         down = agg["bytes_down"][cfg.profile]  # what each client fetches for the next round
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
-            last_eval = evaluate_round(run.bundle(cfg.profile, t + 1), study, ids, domains, cfg)
+            last_eval = evaluate_round(run.bundle(cfg.profile, t + 1), study, ids, domains, cfg, device)
             records += last_eval["records"]
         append_jsonl(study.metrics, records)
     return last_eval
 
 
-def _probe(study: StudyFolder, t: int, bundle: Path, ids: list[str], cfg: SimConfig) -> dict:
+def _probe(study: StudyFolder, t: int, bundle: Path, ids: list[str], cfg: SimConfig, device: torch.device) -> dict:
     """FedNest's first exchange: every client's gradient packet, then the cloud's hypergradient h."""
     paths = []
     for cid in ids:
@@ -85,7 +88,7 @@ def _probe(study: StudyFolder, t: int, bundle: Path, ids: list[str], cfg: SimCon
         path = study.probe_packet(t, cid)
         probe(bundle, study.train_data(cid), study.client_state(cid), path, client_id=cid, profile=cfg.profile)
         paths.append(path)
-    summary = hypergradient_packets(study.run.root, [(str(p), p.read_bytes()) for p in paths])
+    summary = hypergradient_packets(study.run.root, [(str(p), p.read_bytes()) for p in paths], device)
     return {**summary, "h": load_file(summary["path"])}
 
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
+
 from ciders_cloud.config import RunConfig, SimConfig, TakdConfig
+from ciders_cloud.device import cloud_device
 from ciders_cloud.prepare import prepare
 from ciders_cloud.run_folder import StudyFolder
 from ciders_cloud.study.partition import partition
@@ -34,16 +37,21 @@ def client_ids(n: int) -> list[str]:
     return [f"client-{i:02d}" for i in range(n)]
 
 
-def simulate(cfg: SimConfig, out: str | Path) -> dict:
+def simulate(cfg: SimConfig, out: str | Path, device: str | torch.device = "cpu") -> dict:
     """Run ``cfg.rounds`` rounds; returns the last evaluation and where everything is.
 
+    Args:
+        device: where the cloud's TAKD, fidelity, Hessian products and the evaluation run (``auto``,
+            ``cpu``, ``cuda``); not part of the study. The edges run where their profile says.
+
     Raises:
-        ConfigError: ``out`` exists and is not empty.
+        ConfigError: ``out`` exists and is not empty, or ``device`` is not here.
     """
+    device = cloud_device(device)
     out = Path(out)
     with staged(out) as study:
-        ids, domains = _build_study(cfg, study)
-        last_eval = run_rounds(cfg, study, ids, domains)
+        ids, domains = _build_study(cfg, study, device)
+        last_eval = run_rounds(cfg, study, ids, domains, device)
     return {
         "out": str(out),
         "run": str(StudyFolder(out).run.root),
@@ -54,21 +62,24 @@ def simulate(cfg: SimConfig, out: str | Path) -> dict:
     }
 
 
-def prepare_study(cfg: SimConfig, out: str | Path) -> tuple[Path, list[str], dict[str, str]]:
+def prepare_study(
+    cfg: SimConfig, out: str | Path, device: str | torch.device = "cpu"
+) -> tuple[Path, list[str], dict[str, str]]:
     """The study before round 0: ``config.json``, each client's ``data/<id>/{train,eval}.jsonl`` and
-    the prepared ``run``. Deterministic in ``cfg``, so a fleet started on a second copy
+    the prepared ``run``. Deterministic in ``cfg`` (and the device), so a fleet started on a second copy
     (``ciders-cloud serve``) can be checked against ``simulate`` bit for bit."""
+    device = cloud_device(device)
     out = Path(out)
     with staged(out) as study:
-        ids, domains = _build_study(cfg, study)
+        ids, domains = _build_study(cfg, study, device)
     return StudyFolder(out).run.root, ids, domains
 
 
-def _build_study(cfg: SimConfig, study: StudyFolder) -> tuple[list[str], dict[str, str]]:
+def _build_study(cfg: SimConfig, study: StudyFolder, device: torch.device) -> tuple[list[str], dict[str, str]]:
     write_json(study.config, cfg.to_dict())
     ids = client_ids(cfg.clients)
     domains = _materialize_data(cfg, study, ids)
-    prepare(_run_config(cfg, ids, study), study.run.root)
+    prepare(_run_config(cfg, ids, study), study.run.root, device)
     return ids, domains
 
 

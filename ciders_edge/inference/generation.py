@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase, TextStreamer
 
 from ciders_edge.config import ConfigMixin
 from ciders_edge.errors import ConfigError, DataError
+from ciders_edge.inference.compiled_decode import decodes_compiled, fall_back, static_cache
 
 __all__ = [
     "GenerationSettings",
@@ -101,6 +102,8 @@ class _TimedStreamer(TextStreamer):
         self.on_text = on_text
         self.first_token_at: float | None = None
         self._seen_prompt = False
+        self._sent = 0  # characters passed to on_text
+        self._skip = 0  # characters of a replayed generation already passed on
 
     def put(self, value) -> None:
         if self._seen_prompt and self.first_token_at is None:
@@ -108,8 +111,16 @@ class _TimedStreamer(TextStreamer):
         self._seen_prompt = True
         super().put(value)
 
+    def rewind(self) -> None:
+        """Start over for a replay of the same generation, passing on only the text not yet sent."""
+        self.token_cache, self.print_len, self.next_tokens_are_prompt = [], 0, True
+        self.first_token_at, self._seen_prompt, self._skip = None, False, self._sent
+
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        drop = min(self._skip, len(text))
+        text, self._skip = text[drop:], self._skip - drop
         if self.on_text is not None and text:
+            self._sent += len(text)
             self.on_text(text)
 
 
@@ -159,12 +170,25 @@ def generate_batch(
 
 
 def _generate(model, tokenizer, ids: torch.Tensor, mask: torch.Tensor, settings: GenerationSettings, streamer=None):
-    """The one call into transformers' ``generate``, for every runtime and batch size."""
-    torch.manual_seed(settings.seed)
-    return model.generate(
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        pad_token_id=tokenizer.pad_token_id,
-        streamer=streamer,
+    """The one call into transformers' ``generate``, for every runtime and batch size.
+
+    A model set to compiled decode gets a static KV cache; if compiling fails, it says so once and
+    the same generation runs again eagerly (same seed, so the same answer; the streamer skips what
+    it already showed)."""
+    kwargs = {
+        "input_ids": ids.to(model.device),
+        "attention_mask": mask.to(model.device),
+        "pad_token_id": tokenizer.pad_token_id,
         **settings.generate_kwargs(),
-    )
+    }
+    if decodes_compiled(model):
+        cache = static_cache(model, ids.shape[0], ids.shape[1] + settings.max_new_tokens, context_length(model.config))
+        torch.manual_seed(settings.seed)
+        try:
+            return model.generate(**kwargs, streamer=streamer, past_key_values=cache)
+        except Exception as err:  # inductor, triton or CUDA graphs: any of them may fail on a device
+            fall_back(model, err)
+            if streamer is not None:
+                streamer.rewind()
+    torch.manual_seed(settings.seed)
+    return model.generate(**kwargs, streamer=streamer)

@@ -2,6 +2,7 @@
 
 Every runtime yields a model with transformers' ``generate``, so ``infer`` and ``bench`` are one code
 path. The torch runtime merges the messenger LoRA first: decoding then runs dense layers, no PEFT.
+On a GPU it decodes through a static KV cache and CUDA graphs (:mod:`.compiled_decode`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,18 @@ from transformers import PreTrainedTokenizerBase
 from ciders_edge.errors import ConfigError, ExportError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.export_folder import Export
+from ciders_edge.inference.compiled_decode import (
+    DECODE_MODES,
+    compile_problem,
+    decode_mode,
+    decodes_compiled,
+    use_compiled_decode,
+)
 from ciders_edge.inference.generation import context_length
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, personal_messenger, resolve_backbone
 from ciders_edge.inference.providers import resolve_providers
 from ciders_edge.profiles import DeviceProfile, pick_device
+from ciders_edge.progress import console
 
 __all__ = ["Runtime", "open_runtime", "RUNTIMES"]
 
@@ -33,6 +42,11 @@ class Runtime:
     source: dict  # bundle, messenger (personalized/global), client, round
     providers: list[str] = field(default_factory=list)
 
+    @property
+    def decode(self) -> str:
+        """``compiled`` (static KV cache, CUDA graphs) or ``eager``; the first compiled call compiles."""
+        return "compiled" if decodes_compiled(self.model) else "eager"
+
 
 def open_runtime(
     runtime: str | None,
@@ -44,24 +58,30 @@ def open_runtime(
     profile: DeviceProfile | None = None,
     backbone: str | None = None,
     base_model: str | Path | None = None,
+    decode: str = "auto",
 ) -> Runtime:
     """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export (``None``: the export's).
 
     ``backbone`` (torch from a bundle): ``emu`` or ``full`` (AdapFu); default, what the bundle deploys.
     With an export *and* a bundle, the export must have been made from that bundle and state.
+    ``decode`` (torch): ``auto`` compiles on a GPU (:func:`decode_mode`), ``eager`` or ``compiled`` force one.
     """
     exp = Export.load(export) if export is not None else None
     if runtime is None:  # the export's own runtime, else torch
         runtime = "onnx" if exp is not None and exp.format == "onnx" else "torch"
     if runtime not in RUNTIMES:
         raise ConfigError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if decode not in DECODE_MODES:
+        raise ConfigError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
     if exp is None:
         if runtime == "onnx":
             raise ConfigError("--runtime onnx runs an export: make one with `ciders-edge export`, pass it as --export")
         if bundle is None:
             raise ConfigError("pass --bundle (with --state or --global), or --export")
         b = Bundle.load(bundle)
-        return _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model)
+        rt = _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model)
+        _set_decode(rt.model, profile, decode)
+        return rt
     if (exp.format == "onnx") != (runtime == "onnx"):
         wants = "onnx" if exp.format == "onnx" else "torch"
         raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {wants}")
@@ -72,6 +92,7 @@ def open_runtime(
     model = exp.load_model(providers)
     if runtime == "torch":
         model.to(pick_device(profile))
+        _set_decode(model, profile, decode)
     return Runtime(exp.runtime, model, exp.load_tokenizer(), context_length(model.config), exp.source, providers)
 
 
@@ -82,6 +103,15 @@ def _torch_from_bundle(
     edge, source = load_personalized(bundle, state, use_global, dtype, backbone, base_model)
     model = merge_messenger(edge).to(pick_device(profile))
     return Runtime("torch", model, edge.tokenizer, context_length(model.config), source.to_dict())
+
+
+def _set_decode(model, profile: DeviceProfile | None, requested: str) -> None:
+    target = profile.target if profile else None
+    mode, notice = decode_mode(model.device, target, compile_problem(model.device), requested)
+    if notice is not None:
+        console.print(f"[yellow]notice:[/] {notice}", soft_wrap=True)
+    if mode == "compiled":
+        use_compiled_decode(model)
 
 
 def _check_export_source(exp: Export, bundle: Bundle, state, use_global: bool, backbone: str) -> None:
