@@ -51,7 +51,8 @@ test: install
 	$(BIN)/pytest -q
 
 lint: install
-	$(BIN)/ruff check ciders_edge ciders_cloud export tests benchmarks
+	$(BIN)/ruff check ciders_edge ciders_cloud export tests benchmarks tools
+	$(BIN)/ruff format --check ciders_edge ciders_cloud export tests benchmarks tools
 
 # README.md's command reference, regenerated from the CLIs (tests/test_readme.py checks it is current)
 readme: install

@@ -107,9 +107,14 @@ def append_jsonl(path: str | Path, records: list[dict]) -> None:
 def write_safetensors(
     path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> None:
-    """Write tensors in safetensors format atomically (contiguous CPU copies, inputs untouched)."""
-    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    """Write tensors in safetensors format atomically (contiguous CPU copies, inputs untouched). A view of
+    a larger buffer (the edge's flat LoRA) is cloned first: safetensors refuses tensors that share memory."""
+    flat = {k: _own(v.detach().to("cpu").contiguous()) for k, v in tensors.items()}
     write_bytes(path, save(flat, metadata=metadata))
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def replace_dir(staging: Path, target: Path) -> None:

@@ -16,6 +16,7 @@ from ciders_edge.config import ConfigMixin
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.families import family_of
 from ciders_edge.model.split import SplitSpec
+from ciders_edge.tensors import FlatLayout
 
 __all__ = [
     "LoraSettings",
@@ -26,6 +27,8 @@ __all__ = [
     "lora_state",
     "lora_parameters",
     "copy_into",
+    "bind_flat",
+    "is_bound",
     "load_lora_state",
     "peft_config",
 ]
@@ -111,6 +114,43 @@ def copy_into(params: dict[str, torch.nn.Parameter], x: dict[str, torch.Tensor])
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(x[name])
+
+
+def bind_flat(params: dict[str, torch.nn.Parameter], layout: FlatLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-point ``params`` to views of one flat buffer, and their ``.grad`` to views of one flat
+    gradient buffer, keeping their values: a point is then loaded with one copy, and backward
+    accumulates every gradient into the flat gradient (zero it before each pass).
+
+    Returns:
+        ``(flat, grad)``, both in ``layout`` order. Moving or casting the model afterwards, or
+        setting a ``.grad`` to ``None``, unbinds them: check with :func:`is_bound`.
+    """
+    dtypes = {p.dtype for p in params.values()}
+    if len(dtypes) > 1:
+        raise ConfigError(f"LoRA parameters of several dtypes ({sorted(map(str, dtypes))}) cannot share one buffer")
+    with torch.no_grad():
+        flat = layout.flatten({k: p.detach() for k, p in params.items()})
+    grad = torch.zeros_like(flat)
+    views, grads = layout.unflatten(flat), layout.unflatten(grad)
+    for name, p in params.items():
+        p.data = views[name]
+        p.grad = grads[name]
+    return flat, grad
+
+
+def is_bound(params: dict[str, torch.nn.Parameter], flat: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether every parameter and its ``.grad`` still lie inside ``flat`` and ``grad`` (see :func:`bind_flat`)."""
+    return all(_inside(p, flat) and p.grad is not None and _inside(p.grad, grad) for p in params.values())
+
+
+def _inside(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.data_ptr()
+    return (
+        t.dtype == buffer.dtype
+        and t.device == buffer.device
+        and start <= t.data_ptr()
+        and t.data_ptr() + t.numel() * t.element_size() <= start + buffer.numel() * buffer.element_size()
+    )
 
 
 def load_lora_state(model: PeftModel, state: dict[str, torch.Tensor], adapter: str) -> None:

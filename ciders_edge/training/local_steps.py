@@ -1,21 +1,27 @@
 """K local steps of the CIDERS edge update (DESIGN §2) over any differentiable objective.
 
-The loop sees the messenger LoRA only as ``dict[str, Tensor]`` and asks an :class:`Objective` for
-gradients, so the same code runs on the LLM messenger and on the quadratic losses of the tests.
+The loop keeps the messenger LoRA as one flat tensor (x_k, v, c, c_i and every gradient): each
+term of eq. (4)–(10) is one op whatever the number of LoRA tensors, the optimizer steps a single
+parameter, and the step's metrics stay on the device until they are read, once per step (once per
+call when no one watches the steps). An objective over flat points (:class:`FlatObjective`, the LLM
+messenger) is used as it is; one over ``dict[str, Tensor]`` (:class:`Objective`, the quadratic
+losses of the tests) is adapted, so both run the same loop.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
-from ciders_edge.tensors import Tensors, add, norm, sub
+from ciders_edge.tensors import FlatLayout, Tensors, add, sub
 from ciders_edge.training.equations import (
     consensus_update,
     delta_c,
@@ -26,7 +32,7 @@ from ciders_edge.training.equations import (
     trajectory_gradient,
 )
 
-__all__ = ["Objective", "LocalResult", "local_update", "warmup_cosine", "mean_lr_multiplier"]
+__all__ = ["Objective", "FlatObjective", "LocalResult", "local_update", "warmup_cosine", "mean_lr_multiplier"]
 
 
 class Objective(Protocol):
@@ -37,6 +43,22 @@ class Objective(Protocol):
 
     def gradient(self, x: Tensors, batch: Any) -> tuple[float, Tensors]:
         """Loss and gradient of L_i at ``x`` on ``batch`` (``x`` is not modified)."""
+
+
+class FlatObjective(Protocol):
+    """An :class:`Objective` that takes points as one flat tensor in ``layout`` order, on ``device``."""
+
+    layout: FlatLayout
+    device: torch.device
+
+    def batch(self) -> Any:
+        """The next mini-batch xi_k."""
+
+    def flat_gradient(self, x: Tensor, batch: Any) -> tuple[Tensor | float, Tensor]:
+        """Loss (a tensor is read later, avoiding a host sync) and a new flat gradient at ``x``."""
+
+    def rng_scope(self) -> AbstractContextManager:
+        """The context :meth:`flat_gradient` runs in (e.g. a fork of the RNG it reseeds)."""
 
 
 @dataclass
@@ -71,7 +93,7 @@ def local_update(
     v: Tensors,
     c: Tensors,
     c_i: Tensors,
-    objective: Objective,
+    objective: Objective | FlatObjective,
     hp: RoundHyperparams,
     on_step: Callable[[dict], None] | None = None,
     x0: Tensors | None = None,
@@ -81,69 +103,155 @@ def local_update(
 
     ``x0`` starts elsewhere (a local-only baseline continuing its own messenger); the proximal
     term and Delta_i still refer to ``v``. ``control`` is the global hypergradient ``h`` that
-    the ``svrg`` solver (FedNest's outer steps) corrects every local gradient towards.
+    the ``svrg`` solver (FedNest's outer steps) corrects every local gradient towards. The work
+    runs on the objective's device, in ``v``'s dtype; the results come back on ``v``'s device
+    (each result's tensors are views of one buffer of its own).
     """
     if hp.solver == "svrg" and control is None:
         raise ConfigError("the svrg solver needs the round's global hypergradient (FedNest's h)")
-    params = {k: torch.nn.Parameter(t.detach().clone()) for k, t in (x0 or v).items()}
-    opt = _optimizer(list(params.values()), hp)
+    obj = _as_flat(objective, v)
+    packer = _Packer.of(obj, v)
+    fixed = packer.pack(v), packer.pack(c), packer.pack(c_i)  # v, c, c_i: one flat tensor each
+    fv, fc, fci = fixed
+    h = packer.pack(control) if control is not None else None
+    x = torch.nn.Parameter(packer.pack(x0) if x0 else fv.clone())
+    opt = _optimizer(x, hp)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_multiplier(s, hp))
-    steps, first = [], {}
-    consensus_gap = norm(sub(c, c_i))  # |c - c_i|, fixed within a round
-    for k in range(hp.local_steps):
-        x = {name: p.detach() for name, p in params.items()}
-        metrics = {
-            "step": k + 1,
-            "steps": hp.local_steps,
-            "lr": opt.param_groups[0]["lr"],
-            "consensus_gap": consensus_gap,
-        }
-        g = _direction(x, objective, hp, metrics, v, control)
-        first = first or g
-        g_traj = trajectory_gradient(g, x, v, c, c_i, hp.gamma, hp.eps_prox)  # eq. (8)
-        for name, p in params.items():
-            p.grad = g_traj[name].clone()
-        metrics["grad_norm"] = norm(g_traj)
-        if hp.clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), hp.clip)
-        opt.step()
-        sched.step()
-        steps.append(metrics)
-        if on_step is not None:
-            on_step(metrics)
-    x_final = {name: p.detach().clone() for name, p in params.items()}
-    delta = displacement(v, x_final, hp.local_steps, hp.eta)  # eq. (9)
-    c_i_new = consensus_update(c_i, delta, c, hp.alpha, hp.gamma)  # eq. (10)
-    return LocalResult(x_final, delta, c_i_new, delta_c(c_i_new, c_i), steps, first)
+    consensus_gap = torch.linalg.vector_norm(fc - fci, dtype=torch.float64)  # |c - c_i|, fixed within a round
+    steps, first = [], None
+    with obj.rng_scope():
+        for k in range(hp.local_steps):
+            metrics = {"step": k + 1, "steps": hp.local_steps, "lr": opt.param_groups[0]["lr"]}
+            metrics["consensus_gap"] = consensus_gap
+            g = _direction(x.detach(), obj, hp, metrics, fv, h)
+            first = g if first is None else first
+            _step(x, g, fixed, hp, metrics, opt)
+            sched.step()
+            steps.append(metrics)
+            if on_step is not None:
+                _read_metrics([metrics])
+                on_step(metrics)
+    _read_metrics(steps)
+    delta = _on_flat(displacement, fv, x.detach(), hp.local_steps, hp.eta)  # eq. (9)
+    c_i_new = _on_flat(consensus_update, fci, delta, fc, hp.alpha, hp.gamma)  # eq. (10)
+    dc = _on_flat(delta_c, c_i_new, fci)
+    out = packer.unpack
+    first_direction = out(first) if first is not None else {}
+    return LocalResult(out(x.detach()), out(delta), out(c_i_new), out(dc), steps, first_direction)
+
+
+@dataclass(frozen=True)
+class _Packer:
+    """Moves named tensors into the loop (one flat tensor on the objective's device, in v's dtype) and back."""
+
+    layout: FlatLayout
+    device: torch.device  # where the loop works
+    dtype: torch.dtype
+    names: tuple[str, ...]  # v's names, in v's order
+    home: torch.device  # v's device, where the results go
+
+    @classmethod
+    def of(cls, obj: FlatObjective, v: Tensors) -> _Packer:
+        if not obj.layout.matches(v):
+            raise ConfigError("the messenger LoRA's tensor names or shapes do not match the objective's model")
+        first = next(iter(v.values()))
+        return cls(obj.layout, obj.device, first.dtype, tuple(v), first.device)
+
+    def pack(self, tensors: Tensors) -> Tensor:
+        return self.layout.flatten(tensors, dtype=self.dtype, device=self.device)
+
+    def unpack(self, t: Tensor) -> Tensors:
+        views = self.layout.unflatten(t.to(self.home))
+        return {k: views[k] for k in self.names}
+
+
+def _step(
+    x: torch.nn.Parameter,
+    g: Tensor,
+    fixed: tuple[Tensor, Tensor, Tensor],
+    hp: RoundHyperparams,
+    metrics: dict,
+    opt: torch.optim.Optimizer,
+) -> None:
+    """Eq. (8)'s trajectory gradient from the direction ``g``, global-norm clipping, one optimizer step."""
+    v, c, c_i = fixed
+    x.grad = _on_flat(trajectory_gradient, g, x.detach(), v, c, c_i, hp.gamma, hp.eps_prox)
+    metrics["grad_norm"] = torch.linalg.vector_norm(x.grad, dtype=torch.float64)
+    if hp.clip > 0:  # as clip_grad_norm_ (min(1, clip / (norm + 1e-6))), reusing the logged norm
+        x.grad.mul_((hp.clip / (metrics["grad_norm"] + 1e-6)).clamp(max=1.0))
+    opt.step()
 
 
 def _direction(
-    x: Tensors, objective: Objective, hp: RoundHyperparams, metrics: dict, v: Tensors, control: Tensors | None
-) -> Tensors:
+    x: Tensor, obj: FlatObjective, hp: RoundHyperparams, metrics: dict, v: Tensor, control: Tensor | None
+) -> Tensor:
     """FO: grad at the look-ahead point; FD: that minus eta_hvp times a central-difference HVP;
     SVRG: FedNest's ``h_i,nu = grad f_i(x_i,nu) - grad f_i(x) + h``, both gradients on one batch."""
-    batch = objective.batch()
-    loss, g0 = objective.gradient(x, batch)  # eq. (4)
+    batch = obj.batch()
+    loss, g0 = obj.flat_gradient(x, batch)  # eq. (4)
     metrics["loss"] = loss
     if hp.solver == "svrg":
-        _, g_anchor = objective.gradient(v, batch)
-        return add(sub(g0, g_anchor), control)
+        _, g_anchor = obj.flat_gradient(v, batch)
+        return _on_flat(add, _on_flat(sub, g0, g_anchor), control)
     if hp.look_ahead == 0.0:  # x_look = x_k: the look-ahead gradient is g0 itself
         u = g0
     else:
-        x_look = look_ahead(x, g0, hp.look_ahead)  # eq. (5)
-        _, u = objective.gradient(x_look, batch)  # eq. (6): FO direction
+        x_look = _on_flat(look_ahead, x, g0, hp.look_ahead)  # eq. (5)
+        _, u = obj.flat_gradient(x_look, batch)  # eq. (6): FO direction
     if hp.solver == "fo":
         return u
-    _, g_plus = objective.gradient(add(x, u, hp.eps_fd), batch)
-    _, g_minus = objective.gradient(add(x, u, -hp.eps_fd), batch)
-    hu = fd_hessian_vector(g_plus, g_minus, hp.eps_fd)  # eq. (7)
-    g = fd_surrogate(u, hu, hp.eta_hvp)
-    metrics["r_fd"] = hp.eta_hvp * norm(hu) / max(norm(u), 1e-12)  # size of the curvature correction
+    _, g_plus = obj.flat_gradient(_on_flat(add, x, u, hp.eps_fd), batch)
+    _, g_minus = obj.flat_gradient(_on_flat(add, x, u, -hp.eps_fd), batch)
+    hu = _on_flat(fd_hessian_vector, g_plus, g_minus, hp.eps_fd)  # eq. (7)
+    g = _on_flat(fd_surrogate, u, hu, hp.eta_hvp)
+    u_norm = torch.linalg.vector_norm(u, dtype=torch.float64).clamp(min=1e-12)
+    metrics["r_fd"] = hp.eta_hvp * torch.linalg.vector_norm(hu, dtype=torch.float64) / u_norm  # curvature share
     return g
 
 
-def _optimizer(params: list[torch.nn.Parameter], hp: RoundHyperparams) -> torch.optim.Optimizer:
+_FLAT = "flat"
+
+
+def _on_flat(equation: Callable[..., Tensors], *args: Tensor | float) -> Tensor:
+    """Evaluate a ``dict`` equation (eq. 4–10, ``add``, ``sub``) on flat tensors, as one-entry dicts:
+    the same arithmetic as on the LoRA's tensors, one op per term."""
+    return equation(*({_FLAT: a} if isinstance(a, Tensor) else a for a in args))[_FLAT]
+
+
+def _read_metrics(steps: list[dict]) -> None:
+    """Replace the tensor-valued metrics in ``steps`` by floats, with one host transfer for all."""
+    slots = [(m, k) for m in steps for k, val in m.items() if isinstance(val, Tensor)]
+    if not slots:
+        return
+    values = torch.stack([m[k] if m[k].dtype == torch.float64 else m[k].double() for m, k in slots]).tolist()
+    for (m, k), value in zip(slots, values, strict=True):
+        m[k] = value
+
+
+class _DictObjective:
+    """An :class:`Objective` over dicts, seen as a :class:`FlatObjective` (points handed over as views)."""
+
+    def __init__(self, objective: Objective, layout: FlatLayout, device: torch.device) -> None:
+        self.objective, self.layout, self.device = objective, layout, device
+
+    def batch(self) -> Any:
+        return self.objective.batch()
+
+    def flat_gradient(self, x: Tensor, batch: Any) -> tuple[float, Tensor]:
+        loss, g = self.objective.gradient(self.layout.unflatten(x), batch)
+        return loss, self.layout.flatten(g, dtype=x.dtype, device=x.device)
+
+    def rng_scope(self) -> AbstractContextManager:
+        return nullcontext()
+
+
+def _as_flat(objective: Objective | FlatObjective, v: Tensors) -> FlatObjective:
+    if hasattr(objective, "flat_gradient"):
+        return objective
+    return _DictObjective(objective, FlatLayout.of(v), next(iter(v.values())).device)
+
+
+def _optimizer(x: torch.nn.Parameter, hp: RoundHyperparams) -> torch.optim.Optimizer:
     if hp.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=hp.eta)
-    return torch.optim.AdamW(params, lr=hp.eta, weight_decay=hp.weight_decay)
+        return torch.optim.SGD([x], lr=hp.eta)
+    return torch.optim.AdamW([x], lr=hp.eta, weight_decay=hp.weight_decay)
