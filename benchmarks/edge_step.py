@@ -92,21 +92,29 @@ def _ciders_step(args, edge, examples, v: dict, zeros: dict):
 
 def _baseline_step(args, edge, examples):
     """Plain LoRA (one pass and AdamW) or naive FO (two full passes around the look-ahead)."""
+    return lora_baseline_step(edge, examples, args.batch_size, 2 if args.worker == "naive-fo" else 1)
+
+
+def lora_baseline_step(edge, examples, batch_size: int, passes: int):
+    """``step(i)`` on batch ``i``: plain LoRA (``passes`` 1: one forward+backward, an AdamW step) or naive FO
+    (``passes`` 2: a second full pass at the look-ahead, then back to x_k for the step). Batches sit on
+    the model's device; ``gpu.py`` times the same step."""
     from ciders_edge.data.records import collate
     from ciders_edge.model.lora import MESSENGER_ADAPTER, lora_parameters
 
     model = edge.model
+    device = next(model.parameters()).device
     params = list(lora_parameters(model, MESSENGER_ADAPTER).values())
     model.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
     model.train()
     opt = torch.optim.AdamW(params, lr=1e-4)
+    pad = edge.tokenizer.pad_token_id
     batches = [
-        collate(examples[i : i + args.batch_size], edge.tokenizer.pad_token_id)
-        for i in range(0, len(examples), args.batch_size)
+        {k: t.to(device) for k, t in collate(examples[i : i + batch_size], pad).items()}
+        for i in range(0, len(examples), batch_size)
     ]
-    passes = 2 if args.worker == "naive-fo" else 1
 
     def step(i: int) -> None:
         b = batches[i % len(batches)]
@@ -114,9 +122,9 @@ def _baseline_step(args, edge, examples):
         for _ in range(passes):  # naive FO: grad at x_k, step to the look-ahead, grad there
             opt.zero_grad(set_to_none=True)
             model(**b).loss.backward()
-            with torch.no_grad():
-                snapshot = [p.detach().clone() for p in params] if passes == 2 else None
-                if snapshot is not None:
+            if passes == 2 and snapshot is None:
+                with torch.no_grad():
+                    snapshot = [p.detach().clone() for p in params]
                     for p in params:
                         p.sub_(1e-4 * p.grad)
         if snapshot is not None:

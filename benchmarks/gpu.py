@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import common  # noqa: E402
-from edge_step import METHODS  # noqa: E402
+from edge_step import METHODS, lora_baseline_step  # noqa: E402
 
 SMOLLM2 = {
     "hidden_size": 576,
@@ -130,10 +130,8 @@ def build_bundle(work: Path, model: Path, profile: str, size: dict) -> tuple[Pat
 def edge_step(bundle: Path, dtype: torch.dtype, device: torch.device, method: str, shape, args) -> dict:
     """One method's step at ``shape`` (batch, seq_len): the same four methods as ``edge_step.py``."""
     from ciders_edge.config import RoundHyperparams
-    from ciders_edge.data.records import collate
     from ciders_edge.formats.bundle import Bundle
     from ciders_edge.model.adapemu import load_edge_model
-    from ciders_edge.model.lora import MESSENGER_ADAPTER, lora_parameters
     from ciders_edge.training.local_steps import local_update
     from ciders_edge.training.objective import MessengerObjective
 
@@ -150,54 +148,14 @@ def edge_step(bundle: Path, dtype: torch.dtype, device: torch.device, method: st
         obj = MessengerObjective(edge, examples, batch, 1, seed=0)
         step = lambda: local_update(v, zeros, zeros, obj, hp)  # noqa: E731
     else:
-        step = _lora_step(
-            edge,
-            examples,
-            batch,
-            device,
-            2 if method == "naive-fo" else 1,
-            list(lora_parameters(edge.model, MESSENGER_ADAPTER).values()),
-            collate,
-        )
+        calls = iter(range(10**9))
+        baseline = lora_baseline_step(edge, examples, batch, 2 if method == "naive-fo" else 1)
+        step = lambda: baseline(next(calls))  # noqa: E731
     step_s, _ = timed(step, device, args.warmup, args.repeats)
     out = {"method": method, "batch": batch, "seq_len": seq, "step_s": step_s, "peak_mib": peak_mib(device)}
     del edge, step
     release(device)
     return out
-
-
-def _lora_step(edge, examples, batch: int, device, passes: int, params, collate):
-    """Plain LoRA (one forward+backward, an AdamW step) or naive FO (two, the second at the look-ahead)."""
-    model = edge.model
-    model.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    model.train()
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    batches = [
-        {k: t.to(device) for k, t in collate(examples[i : i + batch], edge.tokenizer.pad_token_id).items()}
-        for i in range(0, len(examples), batch)
-    ]
-    count = iter(range(10**9))
-
-    def step() -> None:
-        b = batches[next(count) % len(batches)]
-        snapshot = None
-        for _ in range(passes):
-            opt.zero_grad(set_to_none=True)
-            model(**b).loss.backward()
-            if passes == 2 and snapshot is None:
-                with torch.no_grad():
-                    snapshot = [p.detach().clone() for p in params]
-                    for p in params:
-                        p.sub_(1e-4 * p.grad)
-        if snapshot is not None:
-            with torch.no_grad():
-                for p, s in zip(params, snapshot, strict=True):
-                    p.copy_(s)
-        opt.step()
-
-    return step
 
 
 def decode(bundle: Path, profile, requested: str, args, size: dict) -> dict:

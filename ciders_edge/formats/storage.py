@@ -92,7 +92,8 @@ def decode(stored: Stored, formats: dict[str, str], dtype: torch.dtype, where: s
         q, scale = stored.pop(name), stored.pop(name + SCALE_SUFFIX)
         _check_pair(q, scale, fmt, f"{where}: tensor {name}")
         out[name] = _dequantize(q, scale, fmt, dtype)
-    for extra in stored:
+    extra = next(iter(stored), None)
+    if extra is not None:
         raise BundleError(f"{where}: tensor {extra} is not in the manifest's storage record")
     return out
 
