@@ -31,7 +31,8 @@ FAMILIES = ("arithmetic", "dates", "strings", "code")
 
 def _bundles(run_dir: Path, out: Path) -> dict[str, Path]:
     """The run's round-0 AdapEmu bundle (and, beside it, the AdapFu one) in every storage format."""
-    from ciders_cloud.prepare import bundle_contents, load_cloud_models, load_run
+    from ciders_cloud.bundles import bundle_contents
+    from ciders_cloud.prepare import load_cloud_models, load_run
     from ciders_cloud.run_folder import RunFolder
     from ciders_cloud.server_state import ServerState
     from ciders_edge.formats.bundle import Bundle
@@ -39,7 +40,7 @@ def _bundles(run_dir: Path, out: Path) -> dict[str, Path]:
 
     run = load_run(run_dir)
     state = ServerState.load(RunFolder(run_dir).server_state)
-    models = load_cloud_models(run_dir, run, state)
+    [models] = load_cloud_models(run_dir, run, state).values()
     profile = load_profile(run.profiles[0])
     paths = {}
     for storage in STORAGES:

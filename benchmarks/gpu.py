@@ -200,7 +200,7 @@ def takd(run_dir: Path, device: torch.device, args) -> dict:
     from ciders_cloud.takd import Distiller
 
     run = load_run(run_dir)
-    models = load_cloud_models(run_dir, run, ServerState.load(RunFolder(run_dir).server_state))
+    [models] = load_cloud_models(run_dir, run, ServerState.load(RunFolder(run_dir).server_state)).values()
     models.teacher.to(device)
     models.emu.to(device)
     cfg = run.takd_config

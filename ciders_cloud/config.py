@@ -14,8 +14,19 @@ from ciders_edge.errors import ConfigError
 from ciders_edge.formats.packet import CODECS
 from ciders_edge.formats.storage import STORAGES
 from ciders_edge.model.lora import LoraSettings
+from ciders_edge.profiles import DeviceProfile
 
-__all__ = ["TakdConfig", "RunConfig", "SimConfig", "HIDDEN_LOSSES", "TASK_LOSSES", "ALIGN_PARAMS", "GAMMA_SCHEDULES"]
+__all__ = [
+    "TakdConfig",
+    "RunConfig",
+    "SimConfig",
+    "fleet_split",
+    "parse_profile_mix",
+    "HIDDEN_LOSSES",
+    "TASK_LOSSES",
+    "ALIGN_PARAMS",
+    "GAMMA_SCHEDULES",
+]
 
 HIDDEN_LOSSES = ("relative", "mse")
 TASK_LOSSES = ("excess", "ce")
@@ -88,8 +99,11 @@ class RunConfig(ConfigMixin):
     model_path: str = ""  # the resolved local folder
     model_revision: str = ""  # sha256 over the source config and weights
     profiles: list[str] = field(default_factory=lambda: ["cpu-laptop"])
-    messenger_depth: int = 6
-    drop_ratio: float = 0.2
+    messenger_depth: int = 6  # a: the global messenger's depth
+    drop_ratio: float = 0.2  # the reference learnable backbone's (the one a one-backbone run has)
+    # a profile that trains fewer messenger layers or runs another learnable backbone:
+    # {profile: {"messenger_depth": a_p, "drop_ratio": r_p}}; a profile not named trains (a, drop_ratio)
+    profile_splits: dict = field(default_factory=dict)
     public_data: str = ""
     layer_steps: int = 200  # bootstrap stage 1: layer-wise fits of the layers after each gap
     align_steps: int = 60  # bootstrap stage 2: end-to-end TAKD steps (eq. 2)
@@ -129,6 +143,47 @@ class RunConfig(ConfigMixin):
         if self.gamma_schedule not in GAMMA_SCHEDULES:
             raise ConfigError(f"`gamma_schedule` must be constant or protocol-c, got {self.gamma_schedule!r}.")
         get_strategy(self.algorithm)
+        self._check_profile_splits()
+
+    def _check_profile_splits(self) -> None:
+        for name, split in self.profile_splits.items():
+            if name not in self.profiles:
+                raise ConfigError(f"`profile_splits` names {name!r}, which is not one of the run's profiles.")
+            if not isinstance(split, dict) or set(split) - {"messenger_depth", "drop_ratio"}:
+                raise ConfigError(f"`profile_splits.{name}` takes `messenger_depth` and `drop_ratio`, got {split!r}.")
+            depth, drop = self.profile_split(name)
+            if not 1 <= depth <= self.messenger_depth:
+                raise ConfigError(
+                    f"profile {name} trains {depth} messenger layers, but the run's messenger has "
+                    f"{self.messenger_depth}: allowed 1..{self.messenger_depth} (or raise --messenger-depth)."
+                )
+            if not 0.0 <= drop < 1.0:
+                raise ConfigError(f"profile {name}: `drop_ratio` must be in [0, 1), got {drop}.")
+        if self.is_mixed and get_strategy(self.algorithm).one_split:
+            raise ConfigError(
+                f"{self.algorithm} needs one learnable backbone and one messenger depth for every profile; "
+                "its hypergradient is the backbone's (use ciders-fo, ciders-fd or a FedAvg-family baseline)."
+            )
+
+    def profile_split(self, profile: str) -> tuple[int, float]:
+        """``(a_p, r_p)``: how many messenger layers ``profile`` trains and its backbone's drop ratio."""
+        split = self.profile_splits.get(profile, {})
+        return int(split.get("messenger_depth", self.messenger_depth)), float(split.get("drop_ratio", self.drop_ratio))
+
+    @property
+    def drop_ratios(self) -> list[float]:
+        """The learnable backbones' drop ratios, one per distinct value, the reference first."""
+        out = [self.drop_ratio]
+        for p in self.profiles:
+            drop = self.profile_split(p)[1]
+            if drop not in out:
+                out.append(drop)
+        return out
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether some profile trains another depth or backbone than the run's."""
+        return any(self.profile_split(p) != (self.messenger_depth, self.drop_ratio) for p in self.profiles)
 
     @property
     def lora_settings(self) -> LoraSettings:
@@ -145,6 +200,43 @@ class RunConfig(ConfigMixin):
     @property
     def round_hyperparams(self) -> RoundHyperparams:
         return RoundHyperparams.from_dict(self.hyperparameters)
+
+
+def parse_profile_mix(text: str) -> dict[str, int]:
+    """``"cpu-laptop:3,rpi5-8gb:2"`` as ``{"cpu-laptop": 3, "rpi5-8gb": 2}`` (order kept)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, count = item.rpartition(":")
+        if not (sep and name and count.isdigit() and int(count) > 0) or name in out:
+            raise ConfigError(
+                f"--profile-mix takes PROFILE:COUNT,... with each profile once and counts >= 1, got {item!r}"
+            )
+        out[name] = int(count)
+    return out
+
+
+def fleet_split(profiles: list[DeviceProfile], depth: int | None, drop: float | None) -> dict[str, Any]:
+    """A run's ``messenger_depth``, ``drop_ratio`` and ``profile_splits`` for ``profiles``.
+
+    One profile: its values, each overridden by ``depth`` or ``drop`` when given (every edge trains the
+    whole messenger). Several: the messenger is ``depth`` deep (default: the deepest profile's) and
+    each profile trains its own top ``messenger_depth`` layers on a backbone of its own ``drop_ratio``,
+    or all of ``drop`` when given; the first profile's backbone is the reference.
+    """
+    first = profiles[0]
+    if len(profiles) == 1:
+        return {
+            "messenger_depth": first.messenger_depth if depth is None else depth,
+            "drop_ratio": first.drop_ratio if drop is None else drop,
+        }
+    a = max(p.messenger_depth for p in profiles) if depth is None else depth
+    reference = first.drop_ratio if drop is None else drop
+    splits = {}
+    for p in profiles:
+        own = {"messenger_depth": p.messenger_depth, "drop_ratio": p.drop_ratio if drop is None else drop}
+        if (own["messenger_depth"], own["drop_ratio"]) != (a, reference):
+            splits[p.name] = own
+    return {"messenger_depth": a, "drop_ratio": reference, "profile_splits": splits}
 
 
 @dataclass
@@ -175,6 +267,8 @@ class SimConfig(ConfigMixin):
     max_records: int = 0  # cap per client (0: all)
     public_data: str = ""  # TAKD data; default: a sample of the clients' training data
     profile: str = "cpu-laptop"
+    profile_mix: str = ""  # "cpu-laptop:3,rpi5-8gb:2": a mixed fleet, clients taken in order (overrides profile)
+    profile_splits: dict = field(default_factory=dict)  # RunConfig's: a profile's own depth and drop ratio
     messenger_depth: int | None = None
     drop_ratio: float | None = None
     layer_steps: int | None = None  # prepare's bootstrap (None: the defaults of `prepare`)
@@ -196,3 +290,18 @@ class SimConfig(ConfigMixin):
         if self.eval_data and (self.partition != "per-file" or len(self.eval_data) != len(self.data)):
             raise ConfigError("`eval_data` takes one evaluation file per --data file, with the per-file partition")
         get_strategy(self.algorithm)
+        mix = self.mix
+        if mix and sum(mix.values()) != self.clients:
+            raise ConfigError(
+                f"--profile-mix {self.profile_mix} makes {sum(mix.values())} clients, but `clients` is {self.clients}"
+            )
+
+    @property
+    def mix(self) -> dict[str, int]:
+        """``profile_mix`` parsed: clients per profile, in order (empty: every client on ``profile``)."""
+        return parse_profile_mix(self.profile_mix)
+
+    def client_profiles(self, ids: list[str]) -> dict[str, str]:
+        """Each client's profile: the mix's, clients taken in order, or ``profile`` for all."""
+        names = [name for name, count in self.mix.items() for _ in range(count)] or [self.profile] * len(ids)
+        return dict(zip(ids, names, strict=True))

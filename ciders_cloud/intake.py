@@ -11,7 +11,8 @@ import hashlib
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,14 +21,25 @@ from ciders_cloud.config import RunConfig
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for
+from ciders_cloud.teacher import messenger_offset, split_for
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.packet import Packet, consensus_digest, read_key_file
+from ciders_edge.model.split import layer_of, shift_layers
 from ciders_edge.tensors import Tensors, norm
 from ciders_edge.training.round import PROBE_KIND
 
-__all__ = ["Received", "read_packets", "check_packets", "check_round", "check_displacements", "CLIENT_ID"]
+__all__ = [
+    "Received",
+    "ProfileLayers",
+    "read_packets",
+    "check_packets",
+    "check_round",
+    "check_displacements",
+    "client_consensus",
+    "CLIENT_ID",
+]
 
 MAX_DELTA_RATIO = 20.0  # a displacement this many times the median one is refused (see check_displacements)
 CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -39,6 +51,37 @@ class Received:
     size: int
     digest: str
     where: str
+    profile: str = ""  # whose bundle it was trained on (set by check_packets)
+    dc: Tensors = field(default_factory=dict)  # its Δc_i, named as v is (set by check_packets)
+
+
+@dataclass(frozen=True)
+class ProfileLayers:
+    """What a profile's packets hold: Δc of the messenger layers it trains, named by its AdapEmu,
+    whose messenger layers sit ``offset`` indices above the reference backbone's (v's names)."""
+
+    offset: int
+    trained: tuple[str, ...]  # v's names of the tensors it trains
+
+    @classmethod
+    def of(cls, run: RunConfig, state: ServerState) -> dict[str, ProfileLayers]:
+        out = {}
+        for profile in run.profiles:
+            split = split_for(run, profile=profile)
+            offset = messenger_offset(run, split)
+            trained = tuple(k for k in state.messenger if split.trains(_shifted(k, offset)))
+            out[profile] = cls(offset, trained)
+        return out
+
+    def to_own(self, tensors: Tensors) -> Tensors:
+        return shift_layers(tensors, self.offset)
+
+    def to_global(self, tensors: Tensors) -> Tensors:
+        return shift_layers(tensors, -self.offset)
+
+
+def _shifted(key: str, offset: int) -> str:
+    return next(iter(shift_layers({key: None}, offset)))
 
 
 def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received]:
@@ -59,15 +102,16 @@ def check_packets(
     received: list[Received],
     state: ServerState,
     run: RunConfig,
-    bundle_ids: set[str],
+    bundle_ids: dict[str, str],
     hp: RoundHyperparams,
     expected: Tensors | None = None,
 ) -> None:
     """Refuse the whole round if any packet is for another round or bundle, from an unknown or
-    repeated client, of the wrong shapes, or not finite. ``expected`` names the tensors a packet
-    must hold (default: the messenger LoRA's; LFedNest adds the backbone's grad_y f_i)."""
-    if expected is None:
-        expected = {**state.messenger, **(state.backbone if hp.send_grad_y else {})}
+    repeated client, of the wrong shapes or layers, or not finite; set each one's ``profile`` and
+    ``dc``. ``bundle_ids`` maps this round's bundle ids to their profiles. ``expected`` names the
+    tensors a packet must hold (default: the messenger LoRA's of the layers its profile trains;
+    LFedNest adds the backbone's grad_y f_i)."""
+    layers = ProfileLayers.of(run, state)
     seen: set[str] = set()
     for r in received:
         p, where = r.packet, r.where
@@ -77,6 +121,7 @@ def check_packets(
             raise PacketError(
                 f"{where}: packet was trained on bundle {p.bundle_id[:12]}, not one of round {state.round}'s"
             )
+        r.profile, own = bundle_ids[p.bundle_id], layers[bundle_ids[p.bundle_id]]
         if run.client_ids and p.client_id not in run.client_ids:
             raise PacketError(f"{where}: unknown client id {p.client_id!r}")
         for name in ("gamma", "alpha"):  # eq. (11) inverts the edge's eq. (10) with the round's values
@@ -86,30 +131,54 @@ def check_packets(
                 raise PacketError(
                     f"{where}: trained with {name}={p.metrics[name]}, round {state.round} uses {getattr(hp, name)}"
                 )
-        _check_consensus_digest(p, state, where)
+        _check_consensus_digest(p, state, own, where)
         if p.client_id in seen:
             raise PacketError(f"{where}: a second packet from client {p.client_id!r} in round {state.round}")
         seen.add(p.client_id)
-        for name, ref in expected.items():
+        trained = own.to_own({k: state.messenger[k] for k in own.trained})
+        want = expected if expected is not None else {**trained, **(state.backbone if hp.send_grad_y else {})}
+        _check_layers(p, own, r.profile, state.messenger, trained, where)
+        for name, ref in want.items():
             got = p.tensors.get(name)
             if got is None or got.shape != ref.shape:
                 shape = None if got is None else tuple(got.shape)
                 raise PacketError(f"{where}: tensor {name} has shape {shape}, expected {tuple(ref.shape)}")
-        if set(p.tensors) != set(expected):
-            raise PacketError(f"{where}: unexpected tensors {sorted(set(p.tensors) - set(expected))[:2]}")
+        if set(p.tensors) != set(want):
+            raise PacketError(f"{where}: unexpected tensors {sorted(set(p.tensors) - set(want))[:2]}")
         if p.num_examples <= 0:
             raise PacketError(f"{where}: |D_i| must be positive, got {p.num_examples}")
         p.check_finite(where)
+        r.dc = own.to_global({k: p.tensors[k] for k in trained if k in p.tensors})
 
 
-def _check_consensus_digest(p: Packet, state: ServerState, where: str) -> None:
+def _check_layers(
+    p: Packet, own: ProfileLayers, profile: str, messenger: Tensors, trained: Tensors, where: str
+) -> None:
+    """A messenger tensor of a layer the packet's profile does not train is refused by name: its
+    bundle froze that layer at v, so the edge has no business moving it."""
+    frozen = sorted(set(p.tensors) & (set(own.to_own(messenger)) - set(trained)))
+    if frozen:
+        name, layers = frozen[0], sorted({layer_of(k) for k in trained})
+        raise PacketError(
+            f"{where}: tensor {name} is of messenger layer {layer_of(name)}, which profile {profile} does not "
+            f"train (it trains layers {layers[0]}..{layers[-1]} of its AdapEmu); refused"
+        )
+
+
+def client_consensus(state: ServerState, client_id: str, trained: Sequence[str]) -> Tensors:
+    """The cloud's copy of a client's c_i, named as v is: zero, on the layers it trains, before its first round."""
+    zero = {k: torch.zeros_like(state.messenger[k]) for k in trained}
+    return state.clients.get(client_id, zero)
+
+
+def _check_consensus_digest(p: Packet, state: ServerState, own: ProfileLayers, where: str) -> None:
     """The edge's c_i and the cloud's copy must be the same tensors (eq. 11 uses the cloud's)."""
     if p.metrics.get("kind") == PROBE_KIND:
         return
     theirs = p.metrics.get("c_i_digest")
     if not isinstance(theirs, str):
         raise PacketError(f"{where}: the packet does not say which c_i it started from (metrics c_i_digest)")
-    mine = state.clients.get(p.client_id, {k: torch.zeros_like(t) for k, t in state.messenger.items()})
+    mine = own.to_own(client_consensus(state, p.client_id, own.trained))
     if theirs != consensus_digest(mine):
         new = "" if p.client_id in state.clients else " (the cloud has never aggregated this client: c_i = 0)"
         raise PacketError(
@@ -149,7 +218,7 @@ def check_round(
     run_dir: Path, run: RunConfig, state: ServerState, received: list[Received], expected: Tensors | None = None
 ) -> RoundHyperparams:
     """:func:`check_packets` against this round's bundles; returns the round's hyperparameters."""
-    bundle_ids = {Bundle.load(RunFolder(run_dir).bundle(p, state.round)).bundle_id for p in run.profiles}
+    bundle_ids = {Bundle.load(RunFolder(run_dir).bundle(p, state.round)).bundle_id: p for p in run.profiles}
     hp = round_hyperparams_for(run, state.round)
     check_packets(received, state, run, bundle_ids, hp, expected)
     return hp

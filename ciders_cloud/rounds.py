@@ -9,21 +9,26 @@ same result) or, if the state already moved on with exactly these packets, repor
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ciders_cloud.aggregation import participation_weights, reconstruct_displacement, weighted_sum
+from ciders_cloud.backbones import backbone_part, label, pack, tagged
 from ciders_cloud.bilevel import cloud_indirect_term
+from ciders_cloud.bundles import write_bundles
 from ciders_cloud.config import RunConfig
 from ciders_cloud.device import cloud_device
-from ciders_cloud.fidelity import measure_fidelity
-from ciders_cloud.intake import Received, check_displacements, check_round, read_packets
-from ciders_cloud.prepare import fidelity_record, load_cloud_models, load_run, write_bundles, write_round_log
+from ciders_cloud.fidelity import Fidelity, measure_fidelity
+from ciders_cloud.intake import Received, check_displacements, check_round, client_consensus, read_packets
+from ciders_cloud.prepare import fidelity_record, load_cloud_models, load_run, write_round_log
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import get_strategy
 from ciders_cloud.takd import Distiller, public_split
+from ciders_cloud.teacher import CloudModels
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.profiles import load_profile
@@ -88,17 +93,19 @@ def aggregate_packets(
             raise PacketError(f"round {state.round}: every packet was refused ({'; '.join(dropped.values())})")
         deltas, new_clients = _reconstruct(received, state, hp)
     weights = participation_weights([r.packet.num_examples for r in received])
-    models = load_cloud_models(run_dir, run, state, device)
+    backbones = load_cloud_models(run_dir, run, state, device)
+    reference = next(iter(backbones.values()))
     bilevel = {}
-    if hp.send_grad_y:  # LFedNest: the hypergradient's indirect term, at the round's (x, y)
+    if hp.send_grad_y:  # LFedNest (one backbone): the hypergradient's indirect term, at the round's (x, y)
         grad_y = weighted_sum([r.packet.tensors for r in received], weights, state.backbone)
-        q, bilevel = cloud_indirect_term(models, run, state, hp, grad_y)
+        q, bilevel = cloud_indirect_term(reference, run, state, hp, grad_y)
         deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]  # as if added to every local step
-    v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12)
+    v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12), per layer
     _check_finite({"v": v, "c": c}, f"round {state.round}")
-    models.load_messenger(v)
-    records, optimizer, takd_step, fidelity = _distill(models, run, state, *strategy.takd(hp))  # (13)
-    _check_finite(models.backbone_state(), f"round {state.round}: the backbone LoRA after TAKD")
+    takd = {name: _distill(models, v, run, state, *strategy.takd(hp)) for name, models in backbones.items()}  # (13)
+    records = [rec for name in takd for rec in tagged(run, name, takd[name].records)]
+    fidelities = {name: t.fidelity for name, t in takd.items()}
+    fidelity = fidelities[reference.name]
 
     summary = {
         "round": state.round,
@@ -110,29 +117,37 @@ def aggregate_packets(
         "delta_norms": {r.packet.client_id: norm(d) for r, d in zip(received, deltas, strict=True)},
         "v_change": norm({k: v[k] - state.messenger[k] for k in v}),
         "c_norm": norm(c),
-        "takd_steps": len(records),
-        "takd_last": records[-1] if records else None,
+        "takd_steps": len(takd[reference.name].records),
+        "takd_last": takd[reference.name].records[-1] if takd[reference.name].records else None,
         "fidelity": fidelity.to_dict() if fidelity else None,
         "bilevel": bilevel,
         "dropped": dropped,
     }
+    if len(backbones) > 1:  # the cost and fidelity of each backbone's TAKD
+        summary["backbones"] = {name: t.summary() for name, t in takd.items()}
+    takd_step = takd[reference.name].step
     new = ServerState(
         state.round + 1,
         v,
-        models.backbone_state(),
+        pack({name: m.backbone_state() for name, m in backbones.items()}, reference.name),
         c,
         new_clients,
-        optimizer,
+        pack({name: t.optimizer for name, t in takd.items()}, reference.name),
         takd_step,
         state.rng,
         last_round_digests=digests,
         last_summary=summary,
     )
-    bundles = write_bundles(run_dir, run, models, new, [load_profile(p) for p in run.profiles], fidelity)
+    bundles = write_bundles(run_dir, run, backbones, new, [load_profile(p) for p in run.profiles], fidelities)
     summary["bundles"] = {k: str(b.path) for k, b in bundles.items()}
     summary["bytes_down"] = {k: b.new_bytes for k, b in bundles.items()}
     new.last_summary = summary
-    write_round_log(folder.distill_log, state, records + [fidelity_record(state.round + 1, takd_step, fidelity)])
+    closing = [
+        rec
+        for name, f in fidelities.items()
+        for rec in tagged(run, name, [fidelity_record(state.round + 1, takd_step, f)])
+    ]
+    write_round_log(folder.distill_log, state, records + closing)
     new.save(folder.server_state)  # the commit point
     return summary
 
@@ -156,7 +171,8 @@ def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]], device:
     grads = [r.packet.tensors for r in received]
     grad_x = weighted_sum(grads, weights, state.messenger)
     grad_y = weighted_sum(grads, weights, state.backbone)
-    q, info = cloud_indirect_term(load_cloud_models(run_dir, run, state, device), run, state, hp, grad_y)
+    (models,) = load_cloud_models(run_dir, run, state, device).values()  # FedNest runs on one backbone
+    q, info = cloud_indirect_term(models, run, state, hp, grad_y)
     h = add(grad_x, q)
     path = RunFolder(run_dir).hypergradient(state.round)
     write_safetensors(path, h, {"round": str(state.round)})
@@ -172,24 +188,52 @@ def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]], device:
 
 
 def _reconstruct(received: list[Received], state: ServerState, hp) -> tuple[list[Tensors], dict[str, Tensors]]:
-    """Eq. (11) for every packet, and the server's copies of c_i advanced by the decoded increments."""
+    """Eq. (11) for every packet, on the layers its profile trains, and the server's copies of c_i
+    advanced by the decoded increments."""
     deltas, clients = [], dict(state.clients)
-    zero = {k: torch.zeros_like(t) for k, t in state.messenger.items()}
     for r in received:
-        c_i = state.clients.get(r.packet.client_id, zero)
-        dc = {k: r.packet.tensors[k] for k in zero}  # LFedNest's packets also hold grad_y f_i
-        deltas.append(reconstruct_displacement(dc, c_i, state.consensus, hp.alpha, hp.gamma))
-        clients[r.packet.client_id] = add(c_i, dc)
+        c_i = client_consensus(state, r.packet.client_id, list(r.dc))
+        deltas.append(reconstruct_displacement(r.dc, c_i, state.consensus, hp.alpha, hp.gamma))
+        clients[r.packet.client_id] = add(c_i, r.dc)
     return deltas, clients
 
 
-def _distill(models, run: RunConfig, state: ServerState, steps: int, lambda_task: float | None):
-    """Eq. (13): T_L warm-started TAKD steps with the new messenger held fixed (none for some baselines),
-    then the emulator's fidelity to AdapFu under that messenger."""
+@dataclass
+class Distilled:
+    """One backbone's eq. (13) in a round: its TAKD records, moments and step count, what it cost, and
+    the emulator's fidelity after it."""
+
+    records: list[dict]
+    optimizer: Tensors
+    step: int
+    fidelity: Fidelity | None
+    seconds: float
+
+    def summary(self) -> dict:
+        return {
+            "takd_steps": len(self.records),
+            "takd_seconds": round(self.seconds, 3),
+            "takd_last": self.records[-1] if self.records else None,
+            "fidelity": self.fidelity.to_dict() if self.fidelity else None,
+        }
+
+
+def _distill(
+    models: CloudModels, v: Tensors, run: RunConfig, state: ServerState, steps: int, lambda_task: float | None
+) -> Distilled:
+    """Eq. (13) on one learnable backbone: T_L warm-started TAKD steps with the new messenger ``v`` held
+    fixed (none for some baselines), then the emulator's fidelity to AdapFu under that messenger."""
+    started = time.perf_counter()
+    models.load_messenger(v)
     public, held = public_split(run, models.tokenizer)
+    optimizer = backbone_part(run, state.optimizer, models.name)
     if not steps:
-        return [], state.optimizer, state.takd_step, measure_fidelity(models, held)
+        return Distilled([], optimizer, state.takd_step, measure_fidelity(models, held), time.perf_counter() - started)
     takd = run.takd_config.replace(lambda_task=lambda_task)
-    distiller = Distiller(models, public, takd, state.optimizer, state.takd_step, run.seed)
-    records = distiller.run(steps, round_=state.round, label=f"round {state.round} TAKD")
-    return records, distiller.optimizer_state(), distiller.step_count, measure_fidelity(models, held)
+    distiller = Distiller(models, public, takd, optimizer, state.takd_step, run.seed)
+    records = distiller.run(steps, round_=state.round, label=label(run, models.name, f"round {state.round} TAKD"))
+    _check_finite(models.backbone_state(), f"round {state.round}: backbone {models.name}'s LoRA after TAKD")
+    fidelity = measure_fidelity(models, held)
+    return Distilled(
+        records, distiller.optimizer_state(), distiller.step_count, fidelity, time.perf_counter() - started
+    )

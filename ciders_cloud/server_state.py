@@ -97,7 +97,7 @@ def _clients(ids: list[str], flat: dict[str, torch.Tensor], where: Path) -> dict
 def _optimizer(tensors: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
     """TAKD's moments, keyed as :func:`optimizer_to_tensors` writes them (checked now, not at the next TAKD)."""
     for key in tensors:
-        idx, sep, name = key.partition(".")
+        idx, sep, name = key.rpartition("/")[2].partition(".")  # "<backbone>/" first for a second backbone
         if not (sep and name and idx.isascii() and idx.isdigit()):
             raise StateError(f"{where}: server state corrupt (tensor {key!r} is not an optimizer moment)")
     return tensors

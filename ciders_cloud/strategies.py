@@ -25,6 +25,7 @@ class Strategy:
 
     name: str = "ciders-fo"
     probes: bool = False  # a first exchange of gradients before training (FedNest)
+    one_split: bool = False  # every profile must train the same messenger on the same backbone (FedNest's)
 
     def round_hyperparams(self, hp: RoundHyperparams, round_: int, schedule: str) -> RoundHyperparams:
         """What edges run in ``round_``; ``schedule='protocol-c'`` applies the paper's gamma_t."""
@@ -117,6 +118,7 @@ class FedNest(FedAvg):
 
     name: str = "fednest"
     probes: bool = True
+    one_split: bool = True
 
     def round_hyperparams(self, hp, round_, schedule):
         return super().round_hyperparams(hp, round_, schedule).replace(solver="svrg")

@@ -1,7 +1,11 @@
 """The cloud's two models: the frozen full model M* (the cloud teacher: full backbone B_F and the
 original top layers) and the AdapEmu (the learnable backbone B_L with the messenger on top) with both
 LoRAs, the messenger's v and the backbone's. :class:`CloudModels` holds them for TAKD and bundles, on
-the run's compute device; what it hands out for the disk is on the CPU."""
+the run's compute device; what it hands out for the disk is on the CPU.
+
+A run whose profiles drop different shares of the backbone has one AdapEmu per drop ratio
+(:func:`build_backbones`), all over one teacher. Their messenger layers sit at different AdapEmu
+indices; v, c and every c_i are named as the reference backbone's AdapEmu names them."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from ciders_cloud.backbones import backbone_name, unpack
 from ciders_cloud.config import RunConfig
 from ciders_cloud.device import CPU, to_cpu
 from ciders_cloud.server_state import ServerState
@@ -19,9 +24,10 @@ from ciders_edge.errors import StateError
 from ciders_edge.model.families import family_of
 from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, attach_lora, load_lora_state, lora_state
 from ciders_edge.model.sources import load_model, load_tokenizer
-from ciders_edge.model.split import SplitSpec, build_adapemu
+from ciders_edge.model.split import SplitSpec, build_adapemu, shift_layers
+from ciders_edge.tensors import Tensors
 
-__all__ = ["CloudModels", "build_cloud_models", "split_for"]
+__all__ = ["CloudModels", "build_cloud_models", "build_backbones", "split_for", "messenger_offset"]
 
 
 @dataclass
@@ -34,6 +40,8 @@ class CloudModels:
     split: SplitSpec
     tokenizer: PreTrainedTokenizerBase
     device: torch.device = CPU  # where both models live and compute
+    name: str = ""  # the backbone's name (backbones.backbone_name)
+    offset: int = 0  # its messenger layers' AdapEmu indices minus the reference backbone's
 
     def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch (built on the CPU) on the models' device."""
@@ -61,23 +69,58 @@ class CloudModels:
         return to_cpu({k: v for k, v in source.items() for i in needed if k.startswith(f"model.layers.{i}.")})
 
     def messenger_state(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of v."""
-        return {k: v.to("cpu", copy=True) for k, v in lora_state(self.emu, MESSENGER_ADAPTER).items()}
+        """A CPU copy of v, named as the reference backbone's AdapEmu names it."""
+        v = {k: v.to("cpu", copy=True) for k, v in lora_state(self.emu, MESSENGER_ADAPTER).items()}
+        return shift_layers(v, -self.offset)
 
     def load_messenger(self, v: dict[str, torch.Tensor]) -> None:
-        """Hold ``v`` as the messenger LoRA (for TAKD after aggregation)."""
-        load_lora_state(self.emu, v, MESSENGER_ADAPTER)
+        """Hold ``v`` (reference names) as the messenger LoRA (for TAKD after aggregation)."""
+        load_lora_state(self.emu, self.to_own(v), MESSENGER_ADAPTER)
+
+    def to_own(self, tensors: Tensors) -> Tensors:
+        """Messenger tensors named as the reference backbone names them, named as this one does."""
+        return shift_layers(tensors, self.offset)
 
     def backbone_state(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the backbone LoRA."""
         return {k: v.to("cpu", copy=True) for k, v in lora_state(self.emu, BACKBONE_ADAPTER).items()}
 
 
-def split_for(run: RunConfig) -> SplitSpec:
-    """The run's split, from the model's config alone."""
+def split_for(run: RunConfig, drop_ratio: float | None = None, profile: str | None = None) -> SplitSpec:
+    """The split of the run's backbone of ``drop_ratio`` (default: the reference), or the one
+    ``profile`` trains (its backbone and messenger depth), from the model's config alone."""
     config = AutoConfig.from_pretrained(run.model_path)
     family_of(config)
-    return SplitSpec.from_drop_ratio(config.num_hidden_layers, run.messenger_depth, run.drop_ratio)
+    trained = 0
+    if profile is not None:
+        trained, drop_ratio = run.profile_split(profile)
+    drop = run.drop_ratio if drop_ratio is None else drop_ratio
+    return SplitSpec.from_drop_ratio(config.num_hidden_layers, run.messenger_depth, drop, trained)
+
+
+def messenger_offset(run: RunConfig, split: SplitSpec) -> int:
+    """Where ``split``'s messenger layers sit in its AdapEmu, relative to the reference backbone's."""
+    return split.n_kept - split_for(run).n_kept
+
+
+def build_backbones(
+    run: RunConfig, state: ServerState | None = None, aligned: Tensors | None = None, device: torch.device = CPU
+) -> dict[str, CloudModels]:
+    """One :class:`CloudModels` per learnable backbone of the run (reference first), over one teacher;
+    ``state`` and ``aligned`` hold every backbone's tensors (:mod:`ciders_cloud.backbones`)."""
+    names = [backbone_name(r) for r in run.drop_ratios]
+    backbone_lora = unpack(state.backbone, names, names[0], "server state") if state is not None else {}
+    aligned_parts = unpack(aligned or {}, names, names[0], "aligned layers")
+    out: dict[str, CloudModels] = {}
+    teacher = None
+    for name, drop in zip(names, run.drop_ratios, strict=True):
+        part = ServerState(0, state.messenger, backbone_lora[name], {}) if state is not None else None
+        out[name] = build_cloud_models(run, part, aligned_parts[name], device, drop, teacher)
+        teacher = out[name].teacher
+    if state is None:  # every backbone starts from the same v (the reference's seeded init)
+        for models in list(out.values())[1:]:
+            models.load_messenger(out[names[0]].messenger_state())
+    return out
 
 
 def build_cloud_models(
@@ -85,12 +128,16 @@ def build_cloud_models(
     state: ServerState | None = None,
     aligned: dict[str, torch.Tensor] | None = None,
     device: torch.device = CPU,
+    drop_ratio: float | None = None,
+    teacher: PreTrainedModel | None = None,
 ) -> CloudModels:
-    """Load M*, build its AdapEmu with the run's ``aligned`` layers (prepare's bootstrap), both on
-    ``device``, attach the LoRAs (seeded) and, if given, load their state."""
+    """Load M* (unless ``teacher`` is it already), build its AdapEmu of ``drop_ratio`` (default: the
+    reference) with the run's ``aligned`` layers (prepare's bootstrap), both on ``device``, attach the
+    LoRAs (seeded) and, if given, load their state."""
     path = Path(run.model_path)
-    split = split_for(run)
-    teacher = load_model(path).eval().requires_grad_(False)
+    drop = run.drop_ratio if drop_ratio is None else drop_ratio
+    split = split_for(run, drop)
+    teacher = teacher if teacher is not None else load_model(path).eval().requires_grad_(False)
     emu = build_adapemu(teacher, split)
     if aligned:
         missing = sorted(set(aligned) - set(emu.state_dict()))
@@ -104,7 +151,9 @@ def build_cloud_models(
         base.pop("lm_head.weight", None)
     torch.manual_seed(run.seed)
     model = attach_lora(emu, split, run.lora_settings, run.backbone_lora_settings).eval()
+    offset = messenger_offset(run, split)
+    models = CloudModels(teacher, model, base, split, load_tokenizer(path), device, backbone_name(drop), offset)
     if state is not None:
-        load_lora_state(model, state.messenger, MESSENGER_ADAPTER)
+        models.load_messenger(state.messenger)
         load_lora_state(model, state.backbone, BACKBONE_ADAPTER)
-    return CloudModels(teacher, model, base, split, load_tokenizer(path), device)
+    return models

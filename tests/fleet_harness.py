@@ -65,9 +65,9 @@ class Fleet:
         cmd += ["--address", f"127.0.0.1:{self.port}", "--round-timeout", timeout]
         self._start(name, cmd)
 
-    def join(self, cid: str, data: Path, *extra) -> None:
+    def join(self, cid: str, data: Path, *extra, profile: str = "cpu-laptop") -> None:
         cmd = [BIN / "ciders-edge", "join", "--server", f"127.0.0.1:{self.port}", "--state", self.state(cid), *extra]
-        cmd += ["--data", data, "--profile", "cpu-laptop", "--root-certificates", self.run_dir / "certs" / "ca.crt"]
+        cmd += ["--data", data, "--profile", profile, "--root-certificates", self.run_dir / "certs" / "ca.crt"]
         self._start(cid, cmd)
 
     def _start(self, name: str, cmd: list) -> None:

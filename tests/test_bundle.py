@@ -36,7 +36,7 @@ def test_manifest_describes_the_split(tiny_run):
 def test_edge_model_equals_the_cloud_emu(tiny_run):
     """Bundle round trip: the edge's AdapEmu (backbone LoRA merged) computes what the cloud's does."""
     run_dir = tiny_run[0]
-    cloud = load_cloud_models(run_dir, load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state))
+    [cloud] = load_cloud_models(run_dir, load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state)).values()
     edge = load_edge_model(Bundle.load(_bundle_dir(tiny_run)))
     ids = torch.randint(0, 1000, (2, 12))
     with torch.no_grad():

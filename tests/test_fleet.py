@@ -14,6 +14,7 @@ from ciders_cloud.study.simulate import SimConfig, prepare_study, simulate
 from ciders_edge.fleet.edge import PENDING
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
+from ciders_edge.model.split import shift_layers
 
 
 def _cfg(demo_dir, clients: int) -> SimConfig:
@@ -112,6 +113,30 @@ def test_fleet_survives_a_dead_edge_and_a_cloud_restart(demo_dir, fleet_factory)
     assert server.round == 3
     _check_edges_agree(fleet, [a, b], server)
     assert ClientState.load(fleet.state(b)).counters["rounds"] == 2  # rounds 0 and 2
+
+
+def test_a_mixed_fleet_serves_each_edge_its_profile_and_matches_simulate(demo_dir, tmp_path, fleet_factory):
+    """A laptop and a Pi in one fleet: each announces its profile at join, gets its profile's bundle (its own
+    learnable backbone, its own trained depth), and the run ends where `simulate --profile-mix` ends, bit for bit."""
+    mix = {"profile_mix": "cpu-laptop:1,rpi5-8gb:1", "drop_ratio": 0.0}
+    mix["profile_splits"] = {"rpi5-8gb": {"messenger_depth": 1, "drop_ratio": 0.5}}
+    cfg = _cfg(demo_dir, clients=2).replace(rounds=2, **mix)
+    simulate(cfg, tmp_path / "sim")
+    fleet, (a, b) = fleet_factory(cfg)
+    fleet.serve(rounds=2, min_clients=2, timeout=120)
+    fleet.join(a, fleet.run_dir.parent / "data" / a / "train.jsonl")
+    fleet.join(b, fleet.run_dir.parent / "data" / b / "train.jsonl", profile="rpi5-8gb")
+    assert fleet.wait("cloud", timeout=600) == 0, fleet.log("cloud")[-4000:]
+
+    got, want = (ServerState.load(RunFolder(r).server_state) for r in (fleet.run_dir, tmp_path / "sim" / "run"))
+    for part in ("messenger", "consensus", "backbone"):
+        assert _equal(getattr(got, part), getattr(want, part)), part
+    assert all(_equal(got.clients[c], want.clients[c]) for c in (a, b))
+    pi = ClientState.load(fleet.state(b))
+    assert Bundle.load(fleet.state(b) / "bundle").manifest["profile"]["name"] == "rpi5-8gb"
+    assert pi.kept_layers == [0, 2, 5]  # the Pi's backbone; its c_i, named by its AdapEmu, is the cloud's
+    assert _equal(shift_layers(pi.c_i, 3), got.clients[b]) and len(pi.c_i) < len(got.messenger)
+    assert _equal(ClientState.load(fleet.state(a)).c_i, got.clients[a])
 
 
 def test_unregistered_node_is_refused(demo_dir, fleet_factory):

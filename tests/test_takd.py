@@ -131,7 +131,7 @@ def test_layer_fits_train_only_the_gap_layers_and_lower_their_loss(tiny_path, de
 def test_fidelity_equals_a_direct_computation(tiny_run):
     run_dir = tiny_run[0]
     run = load_run(run_dir)
-    models = load_cloud_models(run_dir, run, ServerState.load(RunFolder(run_dir).server_state))
+    [models] = load_cloud_models(run_dir, run, ServerState.load(RunFolder(run_dir).server_state)).values()
     _, held = public_split(run, models.tokenizer)
     held = held[:3]
     f = measure_fidelity(models, held, batch_size=2)
@@ -155,7 +155,7 @@ def test_distill_trains_only_the_backbone_lora(tiny_run):
     run_dir = tiny_run[0]
     run = load_run(run_dir)
     state = ServerState.load(RunFolder(run_dir).server_state)
-    models = load_cloud_models(run_dir, run, state)
+    [models] = load_cloud_models(run_dir, run, state).values()
     examples, _ = public_split(run, models.tokenizer)
     before_v, before_b = models.messenger_state(), models.backbone_state()
     before_w = {k: v.clone() for k, v in models.base_weights.items()}

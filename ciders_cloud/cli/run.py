@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ciders_cloud.config import RunConfig, TakdConfig
+from ciders_cloud.config import RunConfig, TakdConfig, fleet_split
 from ciders_cloud.config_file import merge_config
 from ciders_cloud.device import cloud_device
 from ciders_cloud.fidelity import Fidelity
@@ -47,8 +47,13 @@ def prepare(
         str | None, typer.Option(help="smollm2-135m (default), tiny, a local HF folder or a hub id.")
     ] = None,
     profile: Annotated[list[str] | None, typer.Option(help="Device profile (repeatable); one bundle each.")] = None,
-    messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a (default: first profile's).")] = None,
-    drop_ratio: Annotated[float | None, typer.Option(help="1 - beta (default: first profile's).")] = None,
+    messenger_depth: Annotated[
+        int | None,
+        typer.Option(help="Messenger depth a (default: the deepest profile's; each profile trains its own top ones)."),
+    ] = None,
+    drop_ratio: Annotated[
+        float | None, typer.Option(help="1 - beta for every profile (default: each profile's own backbone).")
+    ] = None,
     layer_steps: Annotated[
         int | None, typer.Option(help="Bootstrap stage 1: layer-wise fits of the layers after each gap (default 200).")
     ] = None,
@@ -89,10 +94,10 @@ def prepare(
         merged = {"model": "smollm2-135m", **merge_config(config, flags, {"takd": takd}, command="prepare")}
         if "public_data" not in merged:
             raise ConfigError("--public-data is required (or `public_data` in --config)")
-        first = load_profile((merged.get("profiles") or ["cpu-laptop"])[0])
-        merged.setdefault("messenger_depth", first.messenger_depth)
-        merged.setdefault("drop_ratio", first.drop_ratio)
-        merged.setdefault("lora", LoraSettings(rank=first.lora_rank).to_dict())
+        profiles = [load_profile(p) for p in merged.get("profiles") or ["cpu-laptop"]]
+        split = fleet_split(profiles, merged.get("messenger_depth"), merged.get("drop_ratio"))
+        merged = {**split, **merged} if "profile_splits" in merged else {**merged, **split}
+        merged.setdefault("lora", LoraSettings(rank=profiles[0].lora_rank).to_dict())  # one messenger: one rank
         merged["takd"] = TakdConfig.from_dict(merged["takd"]).to_dict()
         merged["hyperparameters"] = RoundHyperparams.from_dict(merged.get("hyperparameters", {})).to_dict()
         return prepare_run(RunConfig.from_dict(merged, where="flags"), out, where)  # the file was checked at load
@@ -167,7 +172,12 @@ def _render(s: dict) -> None:
     if s.get("fidelity"):
         f = {k: v for k, v in s["fidelity"].items() if k != "takd_step"}
         rows.append(("fidelity" if not s.get("fidelity_before") else "fidelity after", Fidelity(**f).describe()))
+    for name, b in (s.get("backbones") or {}).items():
+        fidelity = Fidelity(**{k: v for k, v in b["fidelity"].items() if k != "takd_step"}) if b["fidelity"] else None
+        rows.append((f"backbone {name}", f"{len(b['kept_layers'])} layers; {fidelity.describe() if fidelity else ''}"))
     for name, path in s["bundles"].items():
         deploy = f" (deploys {s['deploy'][name]})" if s.get("deploy") else ""
-        rows.append((f"bundle {name}", path + deploy))
+        trains = s.get("profile_splits", {}).get(name)
+        split = f", trains {trains['trains']} messenger layers on drop{trains['drop_ratio']:g}" if trains else ""
+        rows.append((f"bundle {name}", path + deploy + split))
     print_table(key_table(("", ""), rows, show_header=False, title=f"run {s['run']}"))

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ciders_cloud.cli.run import DeviceOpt
-from ciders_cloud.config import SimConfig
+from ciders_cloud.config import SimConfig, parse_profile_mix
 from ciders_cloud.config_file import merge_config
 from ciders_cloud.device import cloud_device
 from ciders_cloud.strategies import STRATEGIES
@@ -55,6 +55,10 @@ def simulate(
         str | None, typer.Option(help="Public JSONL for TAKD (default: a sample of client data).")
     ] = None,
     profile: Annotated[str | None, typer.Option(help="Device profile of every simulated edge.")] = None,
+    profile_mix: Annotated[
+        str | None,
+        typer.Option(help="A mixed fleet, e.g. cpu-laptop:3,rpi5-8gb:2 (clients in order; sets --clients)."),
+    ] = None,
     messenger_depth: Annotated[int | None, typer.Option(help="Messenger depth a.")] = None,
     drop_ratio: Annotated[float | None, typer.Option(help="1 - beta.")] = None,
     layer_steps: Annotated[int | None, typer.Option(help="Bootstrap stage 1 steps (default: prepare's).")] = None,
@@ -87,6 +91,7 @@ def simulate(
             "max_records": max_records,
             "public_data": public_data,
             "profile": profile,
+            "profile_mix": profile_mix,
             "messenger_depth": messenger_depth,
             "drop_ratio": drop_ratio,
             "layer_steps": layer_steps,
@@ -96,6 +101,8 @@ def simulate(
         }
         hp = {"eta": lr, "gamma": gamma, "local_steps": local_steps}  # the flag beats a file's [hyperparameters]
         merged = merge_config(config, flags, {"hyperparameters": hp}, command="simulate")
+        if merged.get("profile_mix") and clients is None:  # the mix says how many edges there are
+            merged["clients"] = sum(parse_profile_mix(merged["profile_mix"]).values())
         return simulate_run(SimConfig.from_dict(merged, where="flags"), out, where)  # the file was checked at load
 
     def render(s: dict) -> None:

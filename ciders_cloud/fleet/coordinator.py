@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
-from ciders_cloud.intake import CLIENT_ID, check_packets, read_packets
+from ciders_cloud.intake import CLIENT_ID, ProfileLayers, check_packets, read_packets
 from ciders_cloud.prepare import load_run
 from ciders_cloud.rounds import aggregate_packets
 from ciders_cloud.run_folder import RunFolder
@@ -83,9 +83,21 @@ class Coordinator:
         return sorted(found, key=lambda e: e.client_id)
 
     def sync_request(self, edge: Edge) -> dict:
-        """Who the node is and the cloud's copy of its c_i: the edge settles its last round against it."""
+        """Who the node is and the cloud's copy of its c_i: the edge settles its last round against it.
+        The digest is given as each profile's AdapEmu names the tensors (``c_i_digests``, JSON), since
+        the node says its profile only in its answer; ``c_i_digest`` is under v's names."""
         c_i = self.state.clients.get(edge.client_id)
-        return {"client_id": edge.client_id, "round": self.round, "c_i_digest": consensus_digest(c_i)}
+        own = {p: layers.to_own(c_i) if c_i is not None else None for p, layers in self.layers.items()}
+        return {
+            "client_id": edge.client_id,
+            "round": self.round,
+            "c_i_digest": consensus_digest(c_i),
+            "c_i_digests": json.dumps({p: consensus_digest(t) for p, t in own.items()}),
+        }
+
+    @property
+    def layers(self) -> dict[str, ProfileLayers]:
+        return ProfileLayers.of(self.run, self.state)
 
     def train_request(self, edge: Edge, answer: dict) -> tuple[dict, dict[str, bytes]]:
         """This round's bundle for the edge's profile: the manifest, and the files the edge lacks."""
@@ -110,7 +122,7 @@ class Coordinator:
             raise PacketError(
                 f"{where}: packet claims client {received.packet.client_id!r}, the node is {edge.client_id!r}"
             )
-        bundle_ids = {self.bundle(p).bundle_id for p in self.run.profiles}
+        bundle_ids = {self.bundle(p).bundle_id: p for p in self.run.profiles}
         hp = round_hyperparams_for(self.run, self.round)
         check_packets([received], self.state, self.run, bundle_ids, hp)
 

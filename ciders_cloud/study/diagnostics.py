@@ -1,7 +1,8 @@
 """Per client-round diagnostics of how the consensus correction mixes local and global directions.
 
 Our operationalization of the paper's measures (DESIGN §2, Prop. 2):
-- ``g_i``: client i's first FO direction of the round (at x_0 = v); ``G``: their |D_i|-weighted mean.
+- ``g_i``: client i's first FO direction of the round (at x_0 = v); ``G``: their |D_i|-weighted mean,
+  per layer as eq. (12) averages (in a mixed fleet a client is compared with G on the layers it trains).
 - PPR, DR: the shares ``a / (a + b)`` and ``b / (a + b)`` of the least-squares fit
   ``Delta_i ≈ a g_i + b G``. Shares, because with AdamW and K > 1 ``Delta_i`` is not in gradient
   units; under Prop. 2's conditions (SGD, K = 1) a + b = 1 and they are the coefficients themselves.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ciders_cloud.aggregation import layer_means
 from ciders_edge.tensors import Tensors
 
 __all__ = ["psi", "flatten", "decompose", "client_diagnostics"]
@@ -45,13 +47,16 @@ def client_diagnostics(
     gamma: float,
     alpha: float,
 ) -> dict[str, dict[str, float]]:
-    """DR, PPR, S-DR, S-PPR and E-RAE for every participant of one round."""
+    """DR, PPR, S-DR, S-PPR and E-RAE for every participant of one round (tensors named as v is)."""
+    ids = list(directions)
+    double = [{k: t.double() for k, t in directions[cid].items()} for cid in ids]
+    mean = layer_means(double, [weights[cid] for cid in ids], {k: None for d in double for k in d})
     g = {cid: flatten(d) for cid, d in directions.items()}
-    g_mean = sum(weights[cid] * g[cid] for cid in g)
     s_ppr = psi(round_, gamma, alpha)
     out = {}
     for cid, delta in deltas.items():
         d = flatten(delta)
+        g_mean = flatten({k: mean[k] for k in directions[cid]})
         ppr, dr = decompose(d, g[cid], g_mean)
         predicted = s_ppr * g[cid] + (1.0 - s_ppr) * g_mean
         e_rae = float(torch.linalg.norm(_unit(d) - _unit(predicted)))

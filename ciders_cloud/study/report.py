@@ -101,9 +101,11 @@ def _draw(out: ReportFolder, data: dict, labels: dict) -> list[str]:
     line_plot("bytes_up.png", "round", "bytes_up", "bytes uploaded per round (all clients)", "bytes")
     files.append(_gamma_plot(plt, out, data, labels))
     for run, rows in data.items():
-        cross = [r for r in rows if r["type"] == "cross"]
-        if cross:
-            files.append(_heatmap(plt, out, run, cross[-1], labels[run]))
+        last = {}  # the last matrix, or in a mixed fleet each profile's (its messengers on its own backbone)
+        for r in (r for r in rows if r["type"] == "cross"):
+            last[r.get("profile")] = r
+        for profile, cross in last.items():
+            files.append(_heatmap(plt, out, run, cross, labels[run], profile))
     out.summary.write_text(_summary(data, labels))
     files.append(out.summary.name)
     return files
@@ -126,7 +128,7 @@ def _gamma_plot(plt, out: ReportFolder, data: dict, labels: dict) -> str:
     return "sdr_sppr_gamma.png"
 
 
-def _heatmap(plt, out: ReportFolder, run: Path, cross: dict, label: str) -> str:
+def _heatmap(plt, out: ReportFolder, run: Path, cross: dict, label: str, profile: str | None = None) -> str:
     """The NLL matrix, coloured by each cell's difference to its column's mean: domains differ in
     difficulty far more than messengers do, so raw NLL colours would hide the personalization."""
     matrix = cross["matrix"]
@@ -143,10 +145,11 @@ def _heatmap(plt, out: ReportFolder, run: Path, cross: dict, label: str) -> str:
         for j, v in enumerate(row):
             ink = "w" if abs(diff[i][j]) > 0.6 * span else "k"
             ax.text(j, i, f"{v:.3f}", ha="center", va="center", color=ink, fontsize=7)
-    ax.set(title=f"NLL: model of row on data of column\n{label}", xlabel="eval data", ylabel="personalized model")
+    title = f"NLL: model of row on data of column\n{label}" + (f", {profile} clients" if profile else "")
+    ax.set(title=title, xlabel="eval data", ylabel="personalized model")
     fig.colorbar(im, ax=ax, label="NLL minus the column's mean")
     fig.tight_layout()
-    name = f"nll_matrix_{run.name}.png"
+    name = f"nll_matrix_{run.name}{f'_{profile}' if profile else ''}.png"
     fig.savefig(out.plot(name), dpi=120)
     plt.close(fig)
     return name
@@ -166,7 +169,8 @@ def _summary(data: dict, labels: dict) -> str:
         final = [r for r in evals if r["round"] == last]
         rounds = [r for r in rows if r["type"] == "round"]
         cross = [r for r in rows if r["type"] == "cross"]
-        dc = cross[-1]["delta_cross"] if cross and cross[-1]["delta_cross"] is not None else float("nan")
+        whole = cross and cross[-1]["delta_cross"] is not None and "profile" not in cross[-1]  # one matrix of all
+        dc = cross[-1]["delta_cross"] if whole else float("nan")
 
         baseline = [r for r in rows if r["type"] == "baseline"]
         lines.append(
@@ -175,8 +179,36 @@ def _summary(data: dict, labels: dict) -> str:
             f"{mean(r['bytes_up'] for r in rounds):,.0f} | {mean(r['bytes_down'] for r in rounds):,.0f} | "
             f"{mean(r['wall_s'] for r in rounds):.1f} |"
         )
+    for run, rows in data.items():
+        lines += _by_client(labels[run], rows)
     lines += ["", "Plots: loss.png, e_rae.png, nll.png, bytes_up.png, sdr_sppr_gamma.png, nll_matrix_*.png.", ""]
     return "\n".join(lines)
+
+
+def _by_client(label: str, rows: list[dict]) -> list[str]:
+    """A mixed fleet's clients one by one, with their profiles: matched-domain NLL before any training and
+    after the last round, on the AdapEmu and on AdapFu (the personalized messenger on the full backbone)."""
+    if not any("profile" in r for r in rows):
+        return []
+    evals = [r for r in rows if r["type"] == "eval"]
+    last = max(r["round"] for r in evals)
+    before = {r["client"]: r for r in rows if r["type"] == "baseline"}
+    lines = [
+        "",
+        f"### {label}: each client on its profile",
+        "",
+        "| client | profile | domain | AdapEmu NLL round 0 → personalized | AdapFu NLL base → personalized | EM |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in (r for r in evals if r["round"] == last):
+        b = before[r["client"]]
+        full = f"{b['nll_full']:.4f} → {r['nll_full_personal']:.4f}" if "nll_full" in b else "-"
+        em = "-" if r.get("exact_match") is None else f"{r['exact_match']:.2f}"
+        lines.append(
+            f"| {r['client']} | {r['profile']} | {r['domain']} | {b['nll_emu']:.4f} → {r['nll_personal']:.4f} | "
+            f"{full} | {em} |"
+        )
+    return lines
 
 
 def _mean(rows: list[dict], key: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from statistics import mean
 
 import torch
 from safetensors.torch import load_file
@@ -19,9 +20,11 @@ from ciders_cloud.run_folder import StudyFolder
 from ciders_cloud.strategies import get_strategy, round_hyperparams_for
 from ciders_cloud.study.diagnostics import client_diagnostics
 from ciders_cloud.study.evaluation import evaluate_baseline, evaluate_round
+from ciders_cloud.teacher import messenger_offset, split_for
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.model.split import shift_layers
 from ciders_edge.progress import console
 from ciders_edge.training.train import probe, train
 
@@ -35,24 +38,32 @@ def run_rounds(
     run = study.run
     rng = random.Random(cfg.seed)
     strategy = get_strategy(cfg.algorithm)
+    profile_of = cfg.client_profiles(ids)
+    groups = {p: [cid for cid in ids if profile_of[cid] == p] for p in dict.fromkeys(profile_of.values())}
+    offsets = {p: messenger_offset(load_run(run.root), split_for(load_run(run.root), profile=p)) for p in groups}
     last_eval: dict = {}
-    down = Bundle.load(run.bundle(cfg.profile, 0)).delta_bytes(None)  # round 0: the whole bundle
-    append_jsonl(study.metrics, evaluate_baseline(run.bundle(cfg.profile, 0), study, ids, domains, cfg, device))
+    down = {p: Bundle.load(run.bundle(p, 0)).delta_bytes(None) for p in groups}  # round 0: the whole bundle
+    for p, members in groups.items():
+        append_jsonl(
+            study.metrics,
+            _with_profile(
+                evaluate_baseline(run.bundle(p, 0), study, members, domains, cfg, device), profile_of, groups
+            ),
+        )
     for t in range(cfg.rounds):
         started = time.perf_counter()
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
-        bundle = run.bundle(cfg.profile, t)
-        probed = _probe(study, t, bundle, participants, cfg, device) if strategy.probes else {}
+        probed = _probe(study, t, run.bundle(cfg.profile, t), participants, cfg, device) if strategy.probes else {}
         packets, outputs = [], {}
         for cid in participants:
-            console.print(f"[bold]round {t}[/] {cid} ({strategy.name})")
+            console.print(f"[bold]round {t}[/] {cid} ({strategy.name}{_on_profile(profile_of[cid], groups)})")
             packet = study.packet(t, cid)
             outputs[cid] = train(
-                bundle,
+                run.bundle(profile_of[cid], t),
                 study.train_data(cid),
                 study.client_state(cid),
                 packet,
-                profile=cfg.profile,
+                profile=profile_of[cid],
                 codec=cfg.codec,
                 client_id=cid,
                 hypergradient=probed.get("h"),
@@ -60,24 +71,71 @@ def run_rounds(
             packets.append(packet)
         agg = aggregate_files(run.root, packets, device)
         hp = round_hyperparams_for(load_run(run.root), t)
-        deltas = {cid: o.delta_sent for cid, o in outputs.items()}
+        shift = {cid: -offsets[profile_of[cid]] for cid in outputs}  # each edge's names to v's
+        deltas = {cid: shift_layers(o.delta_sent, shift[cid]) for cid, o in outputs.items()}
+        directions = {cid: shift_layers(o.result.first_direction, shift[cid]) for cid, o in outputs.items()}
         weights = dict(zip(agg["clients"], agg["weights"], strict=True))
-        diag = client_diagnostics(
-            deltas, {c: o.result.first_direction for c, o in outputs.items()}, weights, t, hp.gamma, hp.alpha
-        )
+        diag = client_diagnostics(deltas, directions, weights, t, hp.gamma, hp.alpha)
         wall = time.perf_counter() - started
         probe_up, probe_down = probed.get("bytes_up", {}), probed.get("bytes_down", 0)
         records = [
-            _client_record(t, cid, hp, outputs[cid].summary, diag[cid], down + probe_down, probe_up.get(cid, 0))
+            _client_record(
+                t, cid, hp, outputs[cid].summary, diag[cid], down[profile_of[cid]] + probe_down, probe_up.get(cid, 0)
+            )
             for cid in participants
         ]
-        records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, down))
-        down = agg["bytes_down"][cfg.profile]  # what each client fetches for the next round
+        records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, max(down.values())))
+        down = {p: agg["bytes_down"][p] for p in groups}  # what each client fetches for the next round
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
-            last_eval = evaluate_round(run.bundle(cfg.profile, t + 1), study, ids, domains, cfg, device)
+            last_eval = _evaluate(t + 1, groups, study, domains, cfg, device)
             records += last_eval["records"]
-        append_jsonl(study.metrics, records)
+        append_jsonl(study.metrics, _with_profile(records, profile_of, groups))
     return last_eval
+
+
+def _evaluate(
+    round_: int,
+    groups: dict[str, list[str]],
+    study: StudyFolder,
+    domains: dict[str, str],
+    cfg: SimConfig,
+    device: torch.device,
+) -> dict:
+    """Every client scored on its own profile's bundle; the means are over every client."""
+    parts = [
+        evaluate_round(study.run.bundle(p, round_), study, members, domains, cfg, device)
+        for p, members in groups.items()
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    records = [rec for part in parts for rec in part["records"]]
+    clients = [r for r in records if r["type"] == "eval"]
+    full = [r["nll_full_personal"] for r in clients if "nll_full_personal" in r]
+    return {
+        "records": records,
+        "mean_nll_personal": mean(r["nll_personal"] for r in clients),
+        "mean_nll_global": mean(r["nll_global"] for r in clients),
+        "mean_nll_full_personal": mean(full) if len(full) == len(clients) else None,
+        "delta_cross": None,  # a matrix per profile: each one's messengers on its own backbone
+    }
+
+
+def _with_profile(records: list[dict], profile_of: dict[str, str], groups: dict) -> list[dict]:
+    """Client records tagged with their profile in a mixed fleet (a cross matrix with its clients')."""
+    if len(groups) == 1:
+        return records
+    out = []
+    for rec in records:
+        if "client" in rec:
+            rec = {**rec, "profile": profile_of[rec["client"]]}
+        elif rec.get("type") == "cross":
+            rec = {**rec, "profile": profile_of[rec["clients"][0]]}
+        out.append(rec)
+    return out
+
+
+def _on_profile(profile: str, groups: dict) -> str:
+    return f", {profile}" if len(groups) > 1 else ""
 
 
 def _probe(study: StudyFolder, t: int, bundle: Path, ids: list[str], cfg: SimConfig, device: torch.device) -> dict:
@@ -135,5 +193,6 @@ def _round_record(
         "takd_last": agg["takd_last"],
         "bytes_up": sum(agg["bytes_up"].values()) + sum(probe_up.values()),
         "bytes_down": down + probe_down,  # per client, this round
+        **({"backbones": agg["backbones"]} if "backbones" in agg else {}),  # each one's TAKD cost and fidelity
         **(probed.get("bilevel") or agg.get("bilevel") or {}),  # FedNest / LFedNest's hypergradient
     }

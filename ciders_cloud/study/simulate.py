@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ciders_cloud.config import RunConfig, SimConfig, TakdConfig
+from ciders_cloud.config import RunConfig, SimConfig, TakdConfig, fleet_split
 from ciders_cloud.device import cloud_device
 from ciders_cloud.prepare import prepare
 from ciders_cloud.run_folder import StudyFolder
@@ -126,13 +126,16 @@ def _label(records: list[dict], default: str) -> str:
 
 def _run_config(cfg: SimConfig, ids: list[str], study: StudyFolder) -> RunConfig:
     hp = RoundHyperparams(local_steps=cfg.local_steps).replace(**cfg.hyperparameters)
-    prof = load_profile(cfg.profile)
+    names = list(cfg.mix) or [cfg.profile]
+    profiles = [load_profile(name) for name in names]
+    split = fleet_split(profiles, cfg.messenger_depth, cfg.drop_ratio)
+    if cfg.profile_splits:
+        split["profile_splits"] = cfg.profile_splits
     return RunConfig(
         model=cfg.model,
-        profiles=[cfg.profile],
+        profiles=names,
         seed=cfg.seed,
-        messenger_depth=cfg.messenger_depth if cfg.messenger_depth is not None else prof.messenger_depth,
-        drop_ratio=cfg.drop_ratio if cfg.drop_ratio is not None else prof.drop_ratio,
+        **split,
         public_data=cfg.public_data or str(study.public_data),
         **{k: getattr(cfg, k) for k in ("layer_steps", "align_steps") if getattr(cfg, k) is not None},
         takd=TakdConfig().replace(**cfg.takd).to_dict(),

@@ -76,6 +76,7 @@ def verify(
             "model": m["base_model"]["id"],
             "kept_layers": m["split"]["kept"],
             "messenger_depth": m["split"]["a"],
+            "trained_layers": m["split"].get("trained", m["split"]["a"]),  # the top ones; the rest stay at v
             "profile": m["profile"]["name"],
             "files": len(m["files"]),
             "bytes": size,
@@ -86,7 +87,8 @@ def verify(
         console.print(
             f"[green]✓[/] {s['bundle']}: {s['files']} files verified ({s['bytes'] / GIB * 1024:.1f} MiB), "
             f"round {s['round']}, {s['model']}, {len(s['kept_layers'])} kept layers, "
-            f"messenger depth {s['messenger_depth']}, profile {s['profile']}, frozen weights stored {s['storage']}"
+            f"messenger depth {s['messenger_depth']} (trains the top {s['trained_layers']}), profile {s['profile']}, "
+            f"frozen weights stored {s['storage']}"
         )
 
     run_command(body, as_json, render)

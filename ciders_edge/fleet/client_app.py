@@ -23,7 +23,7 @@ app = ClientApp()
 def sync(msg: Message, context: Context) -> Message:
     ask = msg.content.config_records[SYNC]
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
-    answer = edge.sync(cfg, str(ask["client_id"]), str(ask["c_i_digest"]), int(ask["round"]))
+    answer = edge.sync(cfg, str(ask["client_id"]), edge.cloud_digest(ask, cfg.profile), int(ask["round"]))
     return Message(RecordDict({SYNC: ConfigRecord({"json": json.dumps(answer)})}), reply_to=msg)
 
 
@@ -33,7 +33,7 @@ def train(msg: Message, context: Context) -> Message:
     files = record_bytes(msg.content.array_records[FILES])
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
     packet, summary = edge.train_pending(
-        cfg, str(r["client_id"]), str(r["c_i_digest"]), int(r["round"]), bytes(r["manifest"]), files
+        cfg, str(r["client_id"]), edge.cloud_digest(r, cfg.profile), int(r["round"]), bytes(r["manifest"]), files
     )
     s = summary
     log(

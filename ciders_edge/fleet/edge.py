@@ -21,7 +21,7 @@ from ciders_edge.fleet.protocol import consensus_digest
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 
-__all__ = ["EdgeConfig", "settle", "sync", "train_pending", "PENDING", "BUNDLE"]
+__all__ = ["EdgeConfig", "settle", "sync", "train_pending", "cloud_digest", "PENDING", "BUNDLE"]
 
 PENDING = "pending"  # a trained round the cloud has not confirmed yet
 BUNDLE = "bundle"  # the edge's copy of the current bundle
@@ -84,6 +84,13 @@ def settle(state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int)
             f"({mine[:12] or 'none'} here, {cloud_digest[:12] or 'none'} there); it was trained outside this run"
         )
     return committed
+
+
+def cloud_digest(request: Mapping, profile: str) -> str:
+    """The cloud's digest of this client's c_i as ``profile``'s AdapEmu names the tensors (profiles
+    on another learnable backbone name the messenger layers differently)."""
+    digests = json.loads(str(request["c_i_digests"])) if "c_i_digests" in request else {}
+    return str(digests.get(profile, request["c_i_digest"]))
 
 
 def sync(cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int) -> dict:

@@ -80,7 +80,7 @@ def load_adapfu(bundle: Bundle, dtype: torch.dtype | None = None, base_model: st
     """AdapFu of ``bundle`` with its global messenger LoRA live (load another with ``use_messenger``)."""
     m = bundle.manifest
     split = SplitSpec.from_dict(m["split"])
-    full = SplitSpec(split.n, split.a, 1.0)  # every backbone layer kept: the messenger starts at n - a
+    full = SplitSpec(split.n, split.a, 1.0, split.trained)  # every backbone layer kept: the messenger starts at n - a
     config, weights = full_backbone_source(bundle, base_model, dtype)
     offset = full.n_kept - split.n_kept
     weights.update(shift_layers(bundle.tensors(MESSENGER_LAYERS_FILE, dtype), offset, first=split.n_kept))

@@ -139,18 +139,20 @@ class BackboneBatch:
     targets: Tensor  # (N,) those tokens
 
 
-def run_backbone(model: torch.nn.Module, batch: dict[str, Tensor], n_kept: int) -> BackboneBatch:
-    """The backbone half of the AdapEmu on a collated batch (``input_ids``, ``attention_mask``,
+def run_backbone(model: torch.nn.Module, batch: dict[str, Tensor], start: int) -> BackboneBatch:
+    """The frozen half of the AdapEmu, its first ``start`` layers (the learnable backbone, and the
+    messenger layers an edge does not train), on a collated batch (``input_ids``, ``attention_mask``,
     ``labels``), moved to the model's device. Callers choose ``no_grad`` (training, scoring) or not
     (FedNest's gradient through the backbone LoRA)."""
     device = next(model.parameters()).device
     b = {k: t.to(device) for k, t in batch.items()}
-    hidden, ctx = backbone_hidden(model, b["input_ids"], b["attention_mask"], n_kept)
+    hidden, ctx = backbone_hidden(model, b["input_ids"], b["attention_mask"], start)
     positions, targets = response_positions(b["labels"])
     return BackboneBatch(hidden, ctx, positions, targets)
 
 
-def messenger_loss(model: torch.nn.Module, bb: BackboneBatch, n_kept: int, reduction: str = "mean") -> Tensor:
-    """Response-token cross-entropy of the messenger now loaded, from a backbone batch (eq. 4's L_i)."""
-    logits = messenger_logits(model, bb.hidden, bb.ctx, n_kept, bb.positions)
+def messenger_loss(model: torch.nn.Module, bb: BackboneBatch, start: int, reduction: str = "mean") -> Tensor:
+    """Response-token cross-entropy of the messenger now loaded, from a backbone batch made with the
+    same ``start`` (eq. 4's L_i)."""
+    logits = messenger_logits(model, bb.hidden, bb.ctx, start, bb.positions)
     return F.cross_entropy(logits.float(), bb.targets, reduction=reduction)

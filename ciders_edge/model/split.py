@@ -17,7 +17,7 @@ from transformers.modeling_utils import no_init_weights
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.families import family_of
 
-__all__ = ["SplitSpec", "kept_indices", "build_adapemu", "shift_layers"]
+__all__ = ["SplitSpec", "kept_indices", "build_adapemu", "shift_layers", "layer_of"]
 
 
 def kept_indices(n_backbone: int, beta: float) -> list[int]:
@@ -39,11 +39,14 @@ class SplitSpec:
         n: number of transformer layers of the original model.
         a: messenger depth (top layers that carry the messenger LoRA).
         beta: fraction of the ``n - a`` backbone layers kept; ``drop_ratio = 1 - beta``.
+        trained: how many of the messenger's layers, from the top, this edge trains (its profile's
+            messenger depth ``a_p``; 0: all ``a``). The lower ``a - a_p`` stay at the global messenger.
     """
 
     n: int
     a: int
     beta: float
+    trained: int = 0
     kept: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -51,13 +54,16 @@ class SplitSpec:
             raise ConfigError(f"messenger depth must be in 1..{self.n - 1} for a {self.n}-layer model, got {self.a}")
         if not 0.0 < self.beta <= 1.0:
             raise ConfigError(f"beta must be in (0, 1] (drop ratio in [0, 1)), got beta={self.beta}")
+        if not 0 <= self.trained <= self.a:
+            raise ConfigError(f"a profile trains 1..{self.a} of the messenger's {self.a} layers, got {self.trained}")
+        object.__setattr__(self, "trained", self.trained or self.a)
         object.__setattr__(self, "kept", kept_indices(self.n - self.a, self.beta))
 
     @classmethod
-    def from_drop_ratio(cls, n: int, a: int, drop_ratio: float) -> SplitSpec:
+    def from_drop_ratio(cls, n: int, a: int, drop_ratio: float, trained: int = 0) -> SplitSpec:
         if not 0.0 <= drop_ratio < 1.0:
             raise ConfigError(f"drop ratio must be in [0, 1), got {drop_ratio}")
-        return cls(n=n, a=a, beta=1.0 - drop_ratio)
+        return cls(n=n, a=a, beta=1.0 - drop_ratio, trained=trained)
 
     @property
     def n_kept(self) -> int:
@@ -78,12 +84,25 @@ class SplitSpec:
         """AdapEmu indices of the messenger layers."""
         return list(range(self.n_kept, self.emu_layers))
 
+    @property
+    def first_trained(self) -> int:
+        """AdapEmu index of the lowest messenger layer this edge trains: everything below is frozen."""
+        return self.emu_layers - self.trained
+
+    def trains(self, key: str) -> bool:
+        """Whether messenger LoRA tensor ``key`` (AdapEmu naming) is of a layer this edge trains."""
+        return (layer_of(key) or 0) >= self.first_trained
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As a manifest writes it; ``trained`` only when it is not the whole messenger."""
+        d = asdict(self)
+        if self.trained == self.a:
+            del d["trained"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SplitSpec:
-        spec = cls(n=int(d["n"]), a=int(d["a"]), beta=float(d["beta"]))
+        spec = cls(n=int(d["n"]), a=int(d["a"]), beta=float(d["beta"]), trained=int(d.get("trained", 0)))
         if "kept" in d and list(d["kept"]) != spec.kept:
             raise ConfigError(f"kept layer indices {d['kept']} do not match n={spec.n}, a={spec.a}, beta={spec.beta}")
         return spec
@@ -125,15 +144,23 @@ def _remap(state: dict[str, torch.Tensor], source: list[int]) -> dict[str, torch
     return out
 
 
+def layer_of(key: str) -> int | None:
+    """The decoder layer index in a tensor name (``...layers.{i}....``), or ``None``."""
+    _, sep, rest = key.partition("layers.")
+    index = rest.partition(".")[0]
+    return int(index) if sep and index.isdigit() else None
+
+
 def shift_layers(tensors: dict[str, torch.Tensor], offset: int, first: int = 0) -> dict[str, torch.Tensor]:
     """Rename ``layers.{i}.`` to ``layers.{i + offset}.`` for every ``i >= first``: the messenger's
-    layers sit at ``n'..n'+a-1`` in the AdapEmu and at ``n-a..n-1`` in AdapFu."""
+    layers sit at ``n'..n'+a-1`` in the AdapEmu and at ``n-a..n-1`` in AdapFu, and a learnable
+    backbone of another drop ratio moves them by the difference of the two ``n'``."""
 
     def rename(key: str) -> str:
-        head, sep, rest = key.partition("layers.")
-        if not sep:
+        index = layer_of(key)
+        if index is None or index < first:
             return key
-        index, dot, tail = rest.partition(".")
-        return f"{head}layers.{int(index) + offset}{dot}{tail}" if int(index) >= first else key
+        head, _, rest = key.partition("layers.")
+        return f"{head}layers.{index + offset}{rest[len(str(index)) :]}"
 
     return {rename(k): v for k, v in tensors.items()}

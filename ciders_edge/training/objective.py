@@ -34,11 +34,14 @@ class Batch:
 
 
 class MessengerObjective:
-    """L_i(x; xi) for the messenger LoRA ``x``, with gradient accumulation over micro-batches."""
+    """L_i(x; xi) for the messenger LoRA ``x`` of the layers this edge trains (its profile's top
+    ``a_p``), with gradient accumulation over micro-batches. The frozen messenger layers below them
+    run once per mini-batch with the backbone."""
 
     def __init__(self, edge: EdgeModel, examples: list[Example], batch_size: int, grad_accum: int, seed: int) -> None:
         self.edge = edge
-        self.params = lora_parameters(edge.model, MESSENGER_ADAPTER)
+        self.start = edge.split.first_trained  # the cached hidden state enters the trained layers here
+        self.params = {k: p for k, p in lora_parameters(edge.model, MESSENGER_ADAPTER).items() if edge.split.trains(k)}
         self.layout = FlatLayout.of(self.params)
         self.grad_accum = grad_accum
         self.device = next(edge.model.parameters()).device
@@ -55,7 +58,7 @@ class MessengerObjective:
         micro = []
         for _ in range(self.grad_accum):
             with torch.no_grad():
-                micro.append(run_backbone(self.edge.model, next(self.stream), self.edge.split.n_kept))
+                micro.append(run_backbone(self.edge.model, next(self.stream), self.start))
         return Batch(micro, self.rng.getrandbits(63))
 
     def gradient(self, x: Tensors, batch: Batch) -> tuple[float, Tensors]:
@@ -87,7 +90,7 @@ class MessengerObjective:
         return torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device])
 
     def loss(self, mb: BackboneBatch) -> torch.Tensor:
-        return messenger_loss(self.edge.model, mb, self.edge.split.n_kept)
+        return messenger_loss(self.edge.model, mb, self.start)
 
     def load(self, x: Tensors) -> None:
         """Leave the model holding messenger ``x`` (e.g. the personalized one after training)."""

@@ -83,8 +83,10 @@ def train_round(
     (LFedNest) the packet also carries grad_y f_i at the bundle's point."""
     bundle = edge.bundle
     check_state(state, bundle)
-    v = {k: t.float() for k, t in bundle.messenger_lora().items()}
+    v_all = {k: t.float() for k, t in bundle.messenger_lora().items()}
+    v = {k: t for k, t in v_all.items() if edge.split.trains(k)}  # the layers this profile trains; the rest stay v
     c = {k: t.float() for k, t in bundle.consensus().items()}
+    _check_shapes(c, v, "the bundle's consensus c")
     if state is None:
         state = ClientState(
             client_id,
@@ -92,7 +94,7 @@ def train_round(
             bundle.manifest["split"]["kept"],
             c_i={k: torch.zeros_like(t) for k, t in v.items()},
         )
-    _check_shapes(state.c_i, v)
+    _check_shapes(state.c_i, v, "the state's consensus c_i")
     if state.rng is not None:
         torch.set_rng_state(state.rng)
     grad_y = {}
@@ -102,7 +104,7 @@ def train_round(
     objective = MessengerObjective(
         edge, examples, hp.batch_size, hp.grad_accum, round_seed(seed, client_id, bundle.round)
     )
-    x0 = state.personalized if hp.start_from == "personalized" and state.personalized else v
+    x0 = {k: state.personalized[k] for k in v} if hp.start_from == "personalized" and state.personalized else v
     result = local_update(v, c, state.c_i, objective, hp, on_step, x0=x0, control=control)
     _check_finite(result)
     losses = [s["loss"] for s in result.steps]
@@ -129,7 +131,7 @@ def train_round(
         bundle.bundle_id,
         bundle.frozen_digest,
         c_i=add(state.c_i, dc),  # the compression rule: advance by what the cloud decodes
-        personalized=result.x_final,
+        personalized={**v_all, **result.x_final},  # the whole messenger this edge answers with
         counters={
             "rounds": state.counters["rounds"] + 1,
             "steps": state.counters["steps"] + hp.local_steps,
@@ -195,9 +197,9 @@ def round_seed(seed: int, client_id: str, round_: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{client_id}:{round_}".encode()).digest()[:8], "little")
 
 
-def _check_shapes(c_i: dict, v: dict) -> None:
+def _check_shapes(c_i: dict, v: dict, what: str) -> None:
     if c_i.keys() != v.keys() or any(c_i[k].shape != v[k].shape for k in v):
-        raise StateError("the state's consensus c_i does not match the bundle's messenger LoRA shapes")
+        raise StateError(f"{what} does not match the messenger LoRA layers this bundle trains")
 
 
 def _check_finite(result: LocalResult) -> None:
