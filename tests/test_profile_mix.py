@@ -120,6 +120,24 @@ def test_each_profile_gets_its_backbone_and_trains_its_top_layers(mixed):
     assert not all(torch.equal(state.personalized[k], t.float()) for k, t in pi.messenger_lora().items())
 
 
+def test_the_frozen_messenger_layers_draw_no_randomness(mixed, tmp_path, demo_dir):
+    """The Pi's lower messenger layer is frozen: no LoRA dropout there (at round 1, where v moved it), so
+    its round does not depend on the process's RNG and a fleet edge trains it as `simulate` does."""
+    shutil.copytree(mixed / "run", tmp_path / "run")
+    aggregate_files(tmp_path / "run", [mixed / f"{c}.pkt" for c in "abc"])
+    bundle, data = RunFolder(tmp_path / "run").bundle(PI, 1), demo_dir / "code" / "train.jsonl"
+    packets = []
+    for seed in (1, 2):
+        shutil.copytree(mixed / "b", tmp_path / f"state-{seed}")
+        state = ClientState.load(tmp_path / f"state-{seed}")
+        state.rng = torch.Generator().manual_seed(seed).get_state()  # another process's RNG after round 0
+        state.save(tmp_path / f"state-{seed}")
+        train(bundle, data, tmp_path / f"state-{seed}", tmp_path / f"{seed}.pkt", profile=PI, client_id="b")
+        packets.append(Packet.load(tmp_path / f"{seed}.pkt").tensors)
+    assert packets[0].keys() == packets[1].keys()
+    assert all(torch.equal(packets[0][k], packets[1][k]) for k in packets[0])
+
+
 def test_per_layer_aggregation_on_tiny_by_hand(mixed, tmp_path):
     shutil.copytree(mixed / "run", tmp_path / "run")
     run = tmp_path / "run"

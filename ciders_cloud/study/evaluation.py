@@ -29,7 +29,7 @@ from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.model.adapfu import load_adapfu
 from ciders_edge.progress import progress_bar
 
-__all__ = ["evaluate_round", "evaluate_baseline", "delta_cross"]
+__all__ = ["evaluate_round", "evaluate_groups", "evaluate_baseline", "delta_cross"]
 
 
 def delta_cross(matrix: list[list[float]]) -> float:
@@ -107,6 +107,31 @@ def evaluate_round(
         "mean_nll_global": mean(r["nll_global"] for r in clients),
         "mean_nll_full_personal": mean(r["nll_full_personal"] for r in clients) if full else None,
         "delta_cross": cross,
+    }
+
+
+def evaluate_groups(
+    round_: int,
+    groups: dict[str, list[str]],
+    study: StudyFolder,
+    domains: dict[str, str],
+    cfg: SimConfig,
+    device: torch.device = CPU,
+) -> dict:
+    """:func:`evaluate_round` for each profile's clients on that profile's bundle of ``round_``; the means
+    are over every client, and each profile has its own cross matrix (its messengers on its backbone)."""
+    parts = [evaluate_round(study.run.bundle(p, round_), study, ids, domains, cfg, device) for p, ids in groups.items()]
+    if len(parts) == 1:
+        return parts[0]
+    records = [rec for part in parts for rec in part["records"]]
+    clients = [r for r in records if r["type"] == "eval"]
+    full = [r["nll_full_personal"] for r in clients if "nll_full_personal" in r]
+    return {
+        "records": records,
+        "mean_nll_personal": mean(r["nll_personal"] for r in clients),
+        "mean_nll_global": mean(r["nll_global"] for r in clients),
+        "mean_nll_full_personal": mean(full) if len(full) == len(clients) else None,
+        "delta_cross": None,  # no one matrix of every client
     }
 
 

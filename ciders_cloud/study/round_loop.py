@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
-from statistics import mean
 
 import torch
 from safetensors.torch import load_file
@@ -19,12 +17,11 @@ from ciders_cloud.rounds import aggregate_files, hypergradient_packets
 from ciders_cloud.run_folder import StudyFolder
 from ciders_cloud.strategies import get_strategy, round_hyperparams_for
 from ciders_cloud.study.diagnostics import client_diagnostics
-from ciders_cloud.study.evaluation import evaluate_baseline, evaluate_round
-from ciders_cloud.teacher import messenger_offset, split_for
+from ciders_cloud.study.evaluation import evaluate_baseline, evaluate_groups
+from ciders_cloud.study.profiles import StudyProfiles
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.model.split import shift_layers
 from ciders_edge.progress import console
 from ciders_edge.training.train import probe, train
 
@@ -38,32 +35,26 @@ def run_rounds(
     run = study.run
     rng = random.Random(cfg.seed)
     strategy = get_strategy(cfg.algorithm)
-    profile_of = cfg.client_profiles(ids)
-    groups = {p: [cid for cid in ids if profile_of[cid] == p] for p in dict.fromkeys(profile_of.values())}
-    offsets = {p: messenger_offset(load_run(run.root), split_for(load_run(run.root), profile=p)) for p in groups}
+    profiles = StudyProfiles.of(cfg, ids, load_run(run.root))
     last_eval: dict = {}
-    down = {p: Bundle.load(run.bundle(p, 0)).delta_bytes(None) for p in groups}  # round 0: the whole bundle
-    for p, members in groups.items():
-        append_jsonl(
-            study.metrics,
-            _with_profile(
-                evaluate_baseline(run.bundle(p, 0), study, members, domains, cfg, device), profile_of, groups
-            ),
-        )
+    down = {p: Bundle.load(run.bundle(p, 0)).delta_bytes(None) for p in profiles.groups}  # round 0: all of it
+    for p, members in profiles.groups.items():
+        baseline = evaluate_baseline(run.bundle(p, 0), study, members, domains, cfg, device)
+        append_jsonl(study.metrics, profiles.tag(baseline))
     for t in range(cfg.rounds):
         started = time.perf_counter()
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
-        probed = _probe(study, t, run.bundle(cfg.profile, t), participants, cfg, device) if strategy.probes else {}
+        probed = _probe(study, t, participants, profiles, device) if strategy.probes else {}
         packets, outputs = [], {}
         for cid in participants:
-            console.print(f"[bold]round {t}[/] {cid} ({strategy.name}{_on_profile(profile_of[cid], groups)})")
+            console.print(f"[bold]round {t}[/] {cid} ({strategy.name}{profiles.label(cid)})")
             packet = study.packet(t, cid)
             outputs[cid] = train(
-                run.bundle(profile_of[cid], t),
+                run.bundle(profiles.profile_of[cid], t),
                 study.train_data(cid),
                 study.client_state(cid),
                 packet,
-                profile=profile_of[cid],
+                profile=profiles.profile_of[cid],
                 codec=cfg.codec,
                 client_id=cid,
                 hypergradient=probed.get("h"),
@@ -71,80 +62,34 @@ def run_rounds(
             packets.append(packet)
         agg = aggregate_files(run.root, packets, device)
         hp = round_hyperparams_for(load_run(run.root), t)
-        shift = {cid: -offsets[profile_of[cid]] for cid in outputs}  # each edge's names to v's
-        deltas = {cid: shift_layers(o.delta_sent, shift[cid]) for cid, o in outputs.items()}
-        directions = {cid: shift_layers(o.result.first_direction, shift[cid]) for cid, o in outputs.items()}
+        deltas = {cid: profiles.to_v_names(cid, o.delta_sent) for cid, o in outputs.items()}
+        directions = {cid: profiles.to_v_names(cid, o.result.first_direction) for cid, o in outputs.items()}
         weights = dict(zip(agg["clients"], agg["weights"], strict=True))
         diag = client_diagnostics(deltas, directions, weights, t, hp.gamma, hp.alpha)
         wall = time.perf_counter() - started
         probe_up, probe_down = probed.get("bytes_up", {}), probed.get("bytes_down", 0)
+        fetched = {cid: down[profiles.profile_of[cid]] + probe_down for cid in participants}
         records = [
-            _client_record(
-                t, cid, hp, outputs[cid].summary, diag[cid], down[profile_of[cid]] + probe_down, probe_up.get(cid, 0)
-            )
+            _client_record(t, cid, hp, outputs[cid].summary, diag[cid], fetched[cid], probe_up.get(cid, 0))
             for cid in participants
         ]
         records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, max(down.values())))
-        down = {p: agg["bytes_down"][p] for p in groups}  # what each client fetches for the next round
+        down = {p: agg["bytes_down"][p] for p in profiles.groups}  # what each client fetches for the next round
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
-            last_eval = _evaluate(t + 1, groups, study, domains, cfg, device)
+            last_eval = evaluate_groups(t + 1, profiles.groups, study, domains, cfg, device)
             records += last_eval["records"]
-        append_jsonl(study.metrics, _with_profile(records, profile_of, groups))
+        append_jsonl(study.metrics, profiles.tag(records))
     return last_eval
 
 
-def _evaluate(
-    round_: int,
-    groups: dict[str, list[str]],
-    study: StudyFolder,
-    domains: dict[str, str],
-    cfg: SimConfig,
-    device: torch.device,
-) -> dict:
-    """Every client scored on its own profile's bundle; the means are over every client."""
-    parts = [
-        evaluate_round(study.run.bundle(p, round_), study, members, domains, cfg, device)
-        for p, members in groups.items()
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    records = [rec for part in parts for rec in part["records"]]
-    clients = [r for r in records if r["type"] == "eval"]
-    full = [r["nll_full_personal"] for r in clients if "nll_full_personal" in r]
-    return {
-        "records": records,
-        "mean_nll_personal": mean(r["nll_personal"] for r in clients),
-        "mean_nll_global": mean(r["nll_global"] for r in clients),
-        "mean_nll_full_personal": mean(full) if len(full) == len(clients) else None,
-        "delta_cross": None,  # a matrix per profile: each one's messengers on its own backbone
-    }
-
-
-def _with_profile(records: list[dict], profile_of: dict[str, str], groups: dict) -> list[dict]:
-    """Client records tagged with their profile in a mixed fleet (a cross matrix with its clients')."""
-    if len(groups) == 1:
-        return records
-    out = []
-    for rec in records:
-        if "client" in rec:
-            rec = {**rec, "profile": profile_of[rec["client"]]}
-        elif rec.get("type") == "cross":
-            rec = {**rec, "profile": profile_of[rec["clients"][0]]}
-        out.append(rec)
-    return out
-
-
-def _on_profile(profile: str, groups: dict) -> str:
-    return f", {profile}" if len(groups) > 1 else ""
-
-
-def _probe(study: StudyFolder, t: int, bundle: Path, ids: list[str], cfg: SimConfig, device: torch.device) -> dict:
+def _probe(study: StudyFolder, t: int, ids: list[str], profiles: StudyProfiles, device: torch.device) -> dict:
     """FedNest's first exchange: every client's gradient packet, then the cloud's hypergradient h."""
     paths = []
     for cid in ids:
         console.print(f"[bold]round {t}[/] {cid} probe")
-        path = study.probe_packet(t, cid)
-        probe(bundle, study.train_data(cid), study.client_state(cid), path, client_id=cid, profile=cfg.profile)
+        path, profile = study.probe_packet(t, cid), profiles.profile_of[cid]
+        bundle = study.run.bundle(profile, t)
+        probe(bundle, study.train_data(cid), study.client_state(cid), path, client_id=cid, profile=profile)
         paths.append(path)
     summary = hypergradient_packets(study.run.root, [(str(p), p.read_bytes()) for p in paths], device)
     return {**summary, "h": load_file(summary["path"])}

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ciders_edge.data.records import Example, batch_stream
 from ciders_edge.model.adapemu import EdgeModel
-from ciders_edge.model.forward import BackboneBatch, messenger_loss, run_backbone
+from ciders_edge.model.forward import BackboneBatch, decoder_of, messenger_loss, run_backbone
 from ciders_edge.model.lora import MESSENGER_ADAPTER, bind_flat, copy_into, is_bound, lora_parameters
 from ciders_edge.tensors import FlatLayout, Tensors
 
@@ -53,6 +53,8 @@ class MessengerObjective:
             p.requires_grad_(True)
         self.flat, self.grad = bind_flat(self.params, self.layout)
         edge.model.train()
+        for layer in decoder_of(edge.model).layers[edge.split.n_kept : self.start]:
+            layer.eval()  # messenger layers this edge does not train are frozen: no LoRA dropout there
 
     def batch(self) -> Batch:
         micro = []

@@ -1,0 +1,53 @@
+"""Which device profile each simulated client runs (``simulate --profile-mix``), and what that changes
+for the study: the bundle a client trains and is scored on, how its edge names the messenger's
+tensors (a profile on another learnable backbone holds them at other layer indices), and the
+``profile`` its records carry when the fleet mixes profiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ciders_cloud.config import RunConfig, SimConfig
+from ciders_cloud.teacher import messenger_offset, split_for
+from ciders_edge.model.split import shift_layers
+from ciders_edge.tensors import Tensors
+
+__all__ = ["StudyProfiles"]
+
+
+@dataclass(frozen=True)
+class StudyProfiles:
+    profile_of: dict[str, str]  # client id -> profile
+    offsets: dict[str, int]  # profile -> its messenger layers' AdapEmu indices minus v's
+
+    @classmethod
+    def of(cls, cfg: SimConfig, ids: list[str], run: RunConfig) -> StudyProfiles:
+        profile_of = cfg.client_profiles(ids)
+        names = dict.fromkeys(profile_of.values())
+        return cls(profile_of, {p: messenger_offset(run, split_for(run, profile=p)) for p in names})
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        """Each profile's clients, in the study's order."""
+        return {p: [c for c, q in self.profile_of.items() if q == p] for p in self.offsets}
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.offsets) > 1
+
+    def to_v_names(self, client: str, tensors: Tensors) -> Tensors:
+        """A client's messenger tensors (Δ_i, its directions) named as v is."""
+        return shift_layers(tensors, -self.offsets[self.profile_of[client]])
+
+    def label(self, client: str) -> str:
+        return f", {self.profile_of[client]}" if self.mixed else ""
+
+    def tag(self, records: list[dict]) -> list[dict]:
+        """In a mixed fleet, each client record with its profile, and a cross matrix with its clients'."""
+        if not self.mixed:
+            return records
+        out = []
+        for rec in records:
+            client = rec.get("client") or (rec.get("clients") or [None])[0]
+            out.append({**rec, "profile": self.profile_of[client]} if client in self.profile_of else rec)
+        return out
