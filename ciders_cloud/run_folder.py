@@ -5,14 +5,15 @@ A run folder, made by ``ciders-cloud prepare --out RUN`` (:class:`RunFolder`)::
     RUN/
       run.json                            RunConfig: what prepare decided             .config
       aligned_layers.safetensors          the AdapEmu layers the bootstrap trained    .aligned
+                                          (a second backbone's as "drop0.5/<name>": backbones.py)
       distill.jsonl                       TAKD and fidelity records                   .distill_log
       server/                             ServerState, swapped in whole per round     .server_state
         state.json                          round, client ids, RNG, last summary
         messenger_lora.safetensors          v                                         MESSENGER_LORA
-        backbone_lora.safetensors           the learnable backbone's LoRA             BACKBONE_LORA
+        backbone_lora.safetensors           the learnable backbones' LoRA             BACKBONE_LORA
         consensus.safetensors               c                                         CONSENSUS
-        client_consensus.safetensors        every c_i, as "<client>/<tensor>"         CLIENT_CONSENSUS
-        takd_optimizer.safetensors          TAKD's AdamW moments                      TAKD_OPTIMIZER
+        client_consensus.safetensors        every c_i, as "<client>/<tensor>" (its layers)   CLIENT_CONSENSUS
+        takd_optimizer.safetensors          TAKD's AdamW moments, per backbone        TAKD_OPTIMIZER
       bundles/<profile>/round-XXXX/       what edges train on in round XXXX           .bundle(profile, round_)
       keys/<client>.key                   optional: <client>'s packets must carry its tag   .key_file(client)
       hypergradients/round-XXXX.safetensors   FedNest's h for round XXXX           .hypergradient(round_)

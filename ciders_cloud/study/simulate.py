@@ -4,6 +4,8 @@ Each round, every sampled client runs :func:`ciders_edge.training.train.train` (
 on its own data and state folder and writes a real packet; the cloud runs
 :func:`ciders_cloud.rounds.aggregate_files` (``ciders-cloud aggregate``) on those packets. The
 algorithm is the run's strategy; diagnostics and evaluations go to the study's ``metrics.jsonl``.
+With ``--profile-mix`` the clients run different device profiles (:mod:`.profiles`), each on its own
+profile's bundle.
 
 This module builds the study (its data, the prepared run: :class:`ciders_cloud.run_folder.StudyFolder`
 draws the tree); :mod:`.round_loop` runs the rounds; :mod:`.staging` builds it all in a hidden
