@@ -160,7 +160,10 @@ def aggregate(
 
 def _render(s: dict) -> None:
     rows = [("model", f"{s['model']} ({s['n']} layers, messenger {s['messenger_depth']})")]
-    rows.append(("kept layers", f"{len(s['kept_layers'])}: {s['kept_layers']}"))
+    reference = (
+        f" (drop{s['profile_splits'][next(iter(s['profile_splits']))]['drop_ratio']:g})" if s.get("backbones") else ""
+    )
+    rows.append((f"kept layers{reference}", f"{len(s['kept_layers'])}: {s['kept_layers']}"))
     if s.get("layer_steps"):
         rows.append(("layer fits", f"{s['layer_steps']} steps"))
     if s["takd_first"]:
@@ -178,6 +181,10 @@ def _render(s: dict) -> None:
     for name, path in s["bundles"].items():
         deploy = f" (deploys {s['deploy'][name]})" if s.get("deploy") else ""
         trains = s.get("profile_splits", {}).get(name)
-        split = f", trains {trains['trains']} messenger layers on drop{trains['drop_ratio']:g}" if trains else ""
+        split = (
+            f"; trains messenger {trains['trains']}/{s['messenger_depth']} on backbone drop{trains['drop_ratio']:g}"
+            if trains
+            else ""
+        )
         rows.append((f"bundle {name}", path + deploy + split))
     print_table(key_table(("", ""), rows, show_header=False, title=f"run {s['run']}"))
