@@ -14,7 +14,7 @@ from ciders_cloud.fidelity import Fidelity
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for
-from ciders_cloud.teacher import CloudModels, split_for
+from ciders_cloud.teacher import CloudModels, profile_spec
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle, BundleContents
 from ciders_edge.model.lora import peft_config
@@ -54,7 +54,7 @@ def bundle_contents(
     ``run.storage`` or the profile says), on ``models``' backbone (the profile's drop ratio). It holds
     the whole messenger at v and the consensus c of the layers the profile trains."""
     emu = models.emu.get_base_model()
-    split = split_for(run, profile=profile.name)
+    split = profile_spec(run, profile.name)
     hp = round_hyperparams_for(run, state.round).replace(
         batch_size=profile.batch_size, seq_len=profile.seq_len, grad_accum=profile.grad_accum
     )
@@ -111,7 +111,7 @@ def deployments(run: RunConfig, profiles: list[DeviceProfile]) -> dict[str, str]
     config = AutoConfig.from_pretrained(run.model_path)
     out = {}
     for p in profiles:
-        split = split_for(run, profile=p.name)
+        split = profile_spec(run, p.name)
         est = estimate_memory(config, split.emu_layers, split.trained, p)
         if not est.fits:
             raise ConfigError(f"model {run.model} does not fit profile {p.name}: {est.describe()}")

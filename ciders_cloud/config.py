@@ -9,18 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ciders_cloud.strategies import STRATEGIES, get_strategy
-from ciders_edge.config import ConfigMixin, RoundHyperparams
+from ciders_edge.config import ConfigMixin, RoundHyperparams, check_value
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.packet import CODECS
 from ciders_edge.formats.storage import STORAGES
 from ciders_edge.model.lora import LoraSettings
-from ciders_edge.profiles import DeviceProfile
 
 __all__ = [
     "TakdConfig",
     "RunConfig",
     "SimConfig",
-    "fleet_split",
     "parse_profile_mix",
     "HIDDEN_LOSSES",
     "TASK_LOSSES",
@@ -147,22 +145,39 @@ class RunConfig(ConfigMixin):
 
     def _check_profile_splits(self) -> None:
         for name, split in self.profile_splits.items():
+            where = f"`profile_splits.{name}`"
             if name not in self.profiles:
-                raise ConfigError(f"`profile_splits` names {name!r}, which is not one of the run's profiles.")
-            if not isinstance(split, dict) or set(split) - {"messenger_depth", "drop_ratio"}:
-                raise ConfigError(f"`profile_splits.{name}` takes `messenger_depth` and `drop_ratio`, got {split!r}.")
+                raise ConfigError(f"{where}: {name!r} is not one of the run's profiles ({', '.join(self.profiles)}).")
+            kinds = {"messenger_depth": int, "drop_ratio": float}
+            if not isinstance(split, dict) or not all(
+                k in kinds and check_value(v, kinds[k]) for k, v in split.items()
+            ):
+                raise ConfigError(
+                    f"{where} takes an integer `messenger_depth` and a number `drop_ratio`, got {split!r}."
+                )
             depth, drop = self.profile_split(name)
             if not 1 <= depth <= self.messenger_depth:
                 raise ConfigError(
                     f"profile {name} trains {depth} messenger layers, but the run's messenger has "
-                    f"{self.messenger_depth}: allowed 1..{self.messenger_depth} (or raise --messenger-depth)."
+                    f"{self.messenger_depth}: allowed 1..{self.messenger_depth} (raise --messenger-depth, or set "
+                    f"{where}.messenger_depth)."
                 )
             if not 0.0 <= drop < 1.0:
-                raise ConfigError(f"profile {name}: `drop_ratio` must be in [0, 1), got {drop}.")
+                raise ConfigError(f"{where}: `drop_ratio` must be in [0, 1), got {drop}.")
+        self._check_backbones()
+
+    def _check_backbones(self) -> None:
+        """Every backbone serves a profile and has a name of its own; FedNest's family needs one split."""
+        names = [f"drop{r:g}" for r in self.drop_ratios]  # backbones.backbone_name
+        if len(set(names)) < len(names):
+            raise ConfigError(f"drop ratios {self.drop_ratios} are too close to tell apart ({', '.join(names)}).")
+        if all(self.profile_split(p)[1] != self.drop_ratio for p in self.profiles):
+            raise ConfigError(f"no profile runs the run's backbone (`drop_ratio` {self.drop_ratio}); set it to one's.")
         if self.is_mixed and get_strategy(self.algorithm).one_split:
+            splits = ", ".join(f"{p} {a}/{r:g}" for p in self.profiles for a, r in [self.profile_split(p)])
             raise ConfigError(
-                f"{self.algorithm} needs one learnable backbone and one messenger depth for every profile; "
-                "its hypergradient is the backbone's (use ciders-fo, ciders-fd or a FedAvg-family baseline)."
+                f"{self.algorithm} needs one messenger depth and one learnable backbone for every profile, got "
+                f"{splits} (depth/drop); pass --drop-ratio and profiles of one depth, or use CIDERS or a FedAvg kind."
             )
 
     def profile_split(self, profile: str) -> tuple[int, float]:
@@ -213,30 +228,6 @@ def parse_profile_mix(text: str) -> dict[str, int]:
             )
         out[name] = int(count)
     return out
-
-
-def fleet_split(profiles: list[DeviceProfile], depth: int | None, drop: float | None) -> dict[str, Any]:
-    """A run's ``messenger_depth``, ``drop_ratio`` and ``profile_splits`` for ``profiles``.
-
-    One profile: its values, each overridden by ``depth`` or ``drop`` when given (every edge trains the
-    whole messenger). Several: the messenger is ``depth`` deep (default: the deepest profile's) and
-    each profile trains its own top ``messenger_depth`` layers on a backbone of its own ``drop_ratio``,
-    or all of ``drop`` when given; the first profile's backbone is the reference.
-    """
-    first = profiles[0]
-    if len(profiles) == 1:
-        return {
-            "messenger_depth": first.messenger_depth if depth is None else depth,
-            "drop_ratio": first.drop_ratio if drop is None else drop,
-        }
-    a = max(p.messenger_depth for p in profiles) if depth is None else depth
-    reference = first.drop_ratio if drop is None else drop
-    splits = {}
-    for p in profiles:
-        own = {"messenger_depth": p.messenger_depth, "drop_ratio": p.drop_ratio if drop is None else drop}
-        if (own["messenger_depth"], own["drop_ratio"]) != (a, reference):
-            splits[p.name] = own
-    return {"messenger_depth": a, "drop_ratio": reference, "profile_splits": splits}
 
 
 @dataclass

@@ -21,12 +21,12 @@ from ciders_cloud.config import RunConfig
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for
-from ciders_cloud.teacher import messenger_offset, split_for
+from ciders_cloud.teacher import messenger_offset, profile_spec
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.packet import Packet, consensus_digest, read_key_file
-from ciders_edge.model.split import layer_of, shift_layers
+from ciders_edge.model.split import layer_of, rename_layer, shift_layers
 from ciders_edge.tensors import Tensors, norm
 from ciders_edge.training.round import PROBE_KIND
 
@@ -67,9 +67,9 @@ class ProfileLayers:
     def of(cls, run: RunConfig, state: ServerState) -> dict[str, ProfileLayers]:
         out = {}
         for profile in run.profiles:
-            split = split_for(run, profile=profile)
+            split = profile_spec(run, profile)
             offset = messenger_offset(run, split)
-            trained = tuple(k for k in state.messenger if split.trains(_shifted(k, offset)))
+            trained = tuple(k for k in state.messenger if split.trains(rename_layer(k, offset)))
             out[profile] = cls(offset, trained)
         return out
 
@@ -78,10 +78,6 @@ class ProfileLayers:
 
     def to_global(self, tensors: Tensors) -> Tensors:
         return shift_layers(tensors, -self.offset)
-
-
-def _shifted(key: str, offset: int) -> str:
-    return next(iter(shift_layers({key: None}, offset)))
 
 
 def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received]:
@@ -121,7 +117,8 @@ def check_packets(
             raise PacketError(
                 f"{where}: packet was trained on bundle {p.bundle_id[:12]}, not one of round {state.round}'s"
             )
-        r.profile, own = bundle_ids[p.bundle_id], layers[bundle_ids[p.bundle_id]]
+        r.profile = bundle_ids[p.bundle_id]
+        profile = layers[r.profile]
         if run.client_ids and p.client_id not in run.client_ids:
             raise PacketError(f"{where}: unknown client id {p.client_id!r}")
         for name in ("gamma", "alpha"):  # eq. (11) inverts the edge's eq. (10) with the round's values
@@ -131,13 +128,13 @@ def check_packets(
                 raise PacketError(
                     f"{where}: trained with {name}={p.metrics[name]}, round {state.round} uses {getattr(hp, name)}"
                 )
-        _check_consensus_digest(p, state, own, where)
+        _check_consensus_digest(p, state, profile, where)
         if p.client_id in seen:
             raise PacketError(f"{where}: a second packet from client {p.client_id!r} in round {state.round}")
         seen.add(p.client_id)
-        trained = own.to_own({k: state.messenger[k] for k in own.trained})
+        trained = profile.to_own({k: state.messenger[k] for k in profile.trained})  # as the edge names them
         want = expected if expected is not None else {**trained, **(state.backbone if hp.send_grad_y else {})}
-        _check_layers(p, own, r.profile, state.messenger, trained, where)
+        _check_layers(p, profile, r.profile, state.messenger, trained, where)
         for name, ref in want.items():
             got = p.tensors.get(name)
             if got is None or got.shape != ref.shape:
@@ -148,20 +145,20 @@ def check_packets(
         if p.num_examples <= 0:
             raise PacketError(f"{where}: |D_i| must be positive, got {p.num_examples}")
         p.check_finite(where)
-        r.dc = own.to_global({k: p.tensors[k] for k in trained if k in p.tensors})
+        r.dc = profile.to_global({k: p.tensors[k] for k in trained if k in p.tensors})
 
 
 def _check_layers(
-    p: Packet, own: ProfileLayers, profile: str, messenger: Tensors, trained: Tensors, where: str
+    p: Packet, layers: ProfileLayers, profile: str, messenger: Tensors, trained: Tensors, where: str
 ) -> None:
     """A messenger tensor of a layer the packet's profile does not train is refused by name: its
     bundle froze that layer at v, so the edge has no business moving it."""
-    frozen = sorted(set(p.tensors) & (set(own.to_own(messenger)) - set(trained)))
+    frozen = sorted(set(p.tensors) & (set(layers.to_own(messenger)) - set(trained)))
     if frozen:
-        name, layers = frozen[0], sorted({layer_of(k) for k in trained})
+        name, indices = frozen[0], sorted({layer_of(k) for k in trained})
         raise PacketError(
             f"{where}: tensor {name} is of messenger layer {layer_of(name)}, which profile {profile} does not "
-            f"train (it trains layers {layers[0]}..{layers[-1]} of its AdapEmu); refused"
+            f"train (it trains layers {indices[0]}..{indices[-1]} of its AdapEmu); refused"
         )
 
 
@@ -171,14 +168,20 @@ def client_consensus(state: ServerState, client_id: str, trained: Sequence[str])
     return state.clients.get(client_id, zero)
 
 
-def _check_consensus_digest(p: Packet, state: ServerState, own: ProfileLayers, where: str) -> None:
+def _check_consensus_digest(p: Packet, state: ServerState, profile: ProfileLayers, where: str) -> None:
     """The edge's c_i and the cloud's copy must be the same tensors (eq. 11 uses the cloud's)."""
     if p.metrics.get("kind") == PROBE_KIND:
         return
     theirs = p.metrics.get("c_i_digest")
     if not isinstance(theirs, str):
         raise PacketError(f"{where}: the packet does not say which c_i it started from (metrics c_i_digest)")
-    mine = own.to_own(client_consensus(state, p.client_id, own.trained))
+    kept = state.clients.get(p.client_id)
+    if kept is not None and set(kept) != set(profile.trained):
+        raise PacketError(
+            f"{where}: client {p.client_id!r} trained other messenger layers in an earlier round ({len(kept)} tensors, "
+            f"now {len(profile.trained)}): a device that changes profile joins as a new client id"
+        )
+    mine = profile.to_own(client_consensus(state, p.client_id, profile.trained))
     if theirs != consensus_digest(mine):
         new = "" if p.client_id in state.clients else " (the cloud has never aggregated this client: c_i = 0)"
         raise PacketError(

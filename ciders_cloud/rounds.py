@@ -94,19 +94,51 @@ def aggregate_packets(
         deltas, new_clients = _reconstruct(received, state, hp)
     weights = participation_weights([r.packet.num_examples for r in received])
     backbones = load_cloud_models(run_dir, run, state, device)
-    reference = next(iter(backbones.values()))
     bilevel = {}
     if hp.send_grad_y:  # LFedNest (one backbone): the hypergradient's indirect term, at the round's (x, y)
         grad_y = weighted_sum([r.packet.tensors for r in received], weights, state.backbone)
-        q, bilevel = cloud_indirect_term(reference, run, state, hp, grad_y)
+        q, bilevel = cloud_indirect_term(next(iter(backbones.values())), run, state, hp, grad_y)
         deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]  # as if added to every local step
     v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12), per layer
     _check_finite({"v": v, "c": c}, f"round {state.round}")
     takd = {name: _distill(models, v, run, state, *strategy.takd(hp)) for name, models in backbones.items()}  # (13)
-    records = [rec for name in takd for rec in tagged(run, name, takd[name].records)]
+    summary = _summary(run, state, received, weights, deltas, v, c, takd, bilevel, dropped)
+    reference = next(iter(takd))
+    new = ServerState(
+        state.round + 1,
+        v,
+        pack({name: m.backbone_state() for name, m in backbones.items()}, reference),
+        c,
+        new_clients,
+        pack({name: t.optimizer for name, t in takd.items()}, reference),
+        takd[reference].step,
+        state.rng,
+        last_round_digests=digests,
+        last_summary=summary,
+    )
     fidelities = {name: t.fidelity for name, t in takd.items()}
-    fidelity = fidelities[reference.name]
+    bundles = write_bundles(run_dir, run, backbones, new, [load_profile(p) for p in run.profiles], fidelities)
+    summary["bundles"] = {k: str(b.path) for k, b in bundles.items()}
+    summary["bytes_down"] = {k: b.new_bytes for k, b in bundles.items()}
+    write_round_log(folder.distill_log, state, _takd_log(run, state, takd))
+    new.save(folder.server_state)  # the commit point
+    return summary
 
+
+def _summary(
+    run: RunConfig,
+    state: ServerState,
+    received: list[Received],
+    weights: list[float],
+    deltas: list[Tensors],
+    v: Tensors,
+    c: Tensors,
+    takd: dict[str, Distilled],
+    bilevel: dict,
+    dropped: dict[str, str],
+) -> dict:
+    """What ``aggregate`` reports of a round (and the server state keeps as its last summary)."""
+    reference = takd[next(iter(takd))]
     summary = {
         "round": state.round,
         "next_round": state.round + 1,
@@ -117,39 +149,22 @@ def aggregate_packets(
         "delta_norms": {r.packet.client_id: norm(d) for r, d in zip(received, deltas, strict=True)},
         "v_change": norm({k: v[k] - state.messenger[k] for k in v}),
         "c_norm": norm(c),
-        "takd_steps": len(takd[reference.name].records),
-        "takd_last": takd[reference.name].records[-1] if takd[reference.name].records else None,
-        "fidelity": fidelity.to_dict() if fidelity else None,
+        "takd_steps": len(reference.records),
+        "takd_last": reference.records[-1] if reference.records else None,
+        "fidelity": reference.fidelity.to_dict() if reference.fidelity else None,
         "bilevel": bilevel,
         "dropped": dropped,
     }
-    if len(backbones) > 1:  # the cost and fidelity of each backbone's TAKD
+    if len(takd) > 1:  # the cost and fidelity of each backbone's TAKD
         summary["backbones"] = {name: t.summary() for name, t in takd.items()}
-    takd_step = takd[reference.name].step
-    new = ServerState(
-        state.round + 1,
-        v,
-        pack({name: m.backbone_state() for name, m in backbones.items()}, reference.name),
-        c,
-        new_clients,
-        pack({name: t.optimizer for name, t in takd.items()}, reference.name),
-        takd_step,
-        state.rng,
-        last_round_digests=digests,
-        last_summary=summary,
-    )
-    bundles = write_bundles(run_dir, run, backbones, new, [load_profile(p) for p in run.profiles], fidelities)
-    summary["bundles"] = {k: str(b.path) for k, b in bundles.items()}
-    summary["bytes_down"] = {k: b.new_bytes for k, b in bundles.items()}
-    new.last_summary = summary
-    closing = [
-        rec
-        for name, f in fidelities.items()
-        for rec in tagged(run, name, [fidelity_record(state.round + 1, takd_step, f)])
-    ]
-    write_round_log(folder.distill_log, state, records + closing)
-    new.save(folder.server_state)  # the commit point
     return summary
+
+
+def _takd_log(run: RunConfig, state: ServerState, takd: dict[str, Distilled]) -> list[dict]:
+    """The round's TAKD steps, then each backbone's fidelity as the next round starts."""
+    steps = [rec for name, t in takd.items() for rec in tagged(run, name, t.records)]
+    closing = [tagged(run, n, [fidelity_record(state.round + 1, t.step, t.fidelity)]) for n, t in takd.items()]
+    return steps + [rec for recs in closing for rec in recs]
 
 
 def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]], device: str | torch.device = "cpu") -> dict:

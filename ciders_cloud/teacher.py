@@ -9,6 +9,7 @@ indices; v, c and every c_i are named as the reference backbone's AdapEmu names 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ciders_edge.model.sources import load_model, load_tokenizer
 from ciders_edge.model.split import SplitSpec, build_adapemu, shift_layers
 from ciders_edge.tensors import Tensors
 
-__all__ = ["CloudModels", "build_cloud_models", "build_backbones", "split_for", "messenger_offset"]
+__all__ = ["CloudModels", "build_cloud_models", "build_backbones", "split_for", "profile_spec", "messenger_offset"]
 
 
 @dataclass
@@ -86,16 +87,19 @@ class CloudModels:
         return {k: v.to("cpu", copy=True) for k, v in lora_state(self.emu, BACKBONE_ADAPTER).items()}
 
 
-def split_for(run: RunConfig, drop_ratio: float | None = None, profile: str | None = None) -> SplitSpec:
-    """The split of the run's backbone of ``drop_ratio`` (default: the reference), or the one
-    ``profile`` trains (its backbone and messenger depth), from the model's config alone."""
+def split_for(run: RunConfig, drop_ratio: float | None = None) -> SplitSpec:
+    """The split of the run's learnable backbone of ``drop_ratio`` (default: the reference), from the
+    model's config alone."""
     config = AutoConfig.from_pretrained(run.model_path)
     family_of(config)
-    trained = 0
-    if profile is not None:
-        trained, drop_ratio = run.profile_split(profile)
     drop = run.drop_ratio if drop_ratio is None else drop_ratio
-    return SplitSpec.from_drop_ratio(config.num_hidden_layers, run.messenger_depth, drop, trained)
+    return SplitSpec.from_drop_ratio(config.num_hidden_layers, run.messenger_depth, drop)
+
+
+def profile_spec(run: RunConfig, profile: str) -> SplitSpec:
+    """The split ``profile`` trains: its backbone's, with its own number of messenger layers."""
+    trained, drop = run.profile_split(profile)
+    return dataclasses.replace(split_for(run, drop), trained=trained)
 
 
 def messenger_offset(run: RunConfig, split: SplitSpec) -> int:
@@ -114,7 +118,11 @@ def build_backbones(
     out: dict[str, CloudModels] = {}
     teacher = None
     for name, drop in zip(names, run.drop_ratios, strict=True):
-        part = ServerState(0, state.messenger, backbone_lora[name], {}) if state is not None else None
+        if state is not None and not backbone_lora[name]:
+            raise StateError(
+                f"the server state holds no LoRA of backbone {name}: was `profile_splits` changed after prepare?"
+            )
+        part = dataclasses.replace(state, backbone=backbone_lora[name]) if state is not None else None
         out[name] = build_cloud_models(run, part, aligned_parts[name], device, drop, teacher)
         teacher = out[name].teacher
     if state is None:  # every backbone starts from the same v (the reference's seeded init)

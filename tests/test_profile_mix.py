@@ -11,12 +11,14 @@ from typer.testing import CliRunner
 
 from ciders_cloud.aggregation import aggregate, participation_weights, weighted_sum
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.config import RunConfig, SimConfig, fleet_split
+from ciders_cloud.config import RunConfig, SimConfig
 from ciders_cloud.rounds import aggregate_files
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
+from ciders_cloud.splits import fleet_split
 from ciders_cloud.study.report import report
 from ciders_edge.errors import ConfigError
+from ciders_edge.fleet.edge import cloud_digest
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet
@@ -87,8 +89,31 @@ def test_a_profile_deeper_than_the_messenger_is_refused_with_the_range(tmp_path,
 
 
 def test_fednest_needs_one_split():
-    with pytest.raises(ConfigError, match="fednest needs one learnable backbone"):
+    with pytest.raises(ConfigError, match="fednest needs one messenger depth and one learnable backbone"):
         RunConfig(profiles=[LAPTOP, PI], algorithm="fednest", **MIXED)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"profile_splits": {PI: {"messenger_depth": "two"}}}, "takes an integer `messenger_depth`"),
+        ({"profile_splits": {PI: {"drop_ratio": True}}}, "a number `drop_ratio`"),
+        ({"profile_splits": {PI: {"depth": 1}}}, "`profile_splits.rpi5-8gb` takes"),
+        ({"profile_splits": {"cuda-24gb": {"messenger_depth": 1}}}, "'cuda-24gb' is not one of the run's profiles"),
+        ({"profile_splits": {PI: {"drop_ratio": 0.2000001}}}, "too close to tell apart"),
+        ({"drop_ratio": 0.3, "profile_splits": {p: {"drop_ratio": 0.5} for p in (LAPTOP, PI)}}, "no profile runs"),
+    ],
+)
+def test_bad_profile_splits_are_one_line_errors(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**{"profiles": [LAPTOP, PI], "messenger_depth": 2, "drop_ratio": 0.2, **changes})
+
+
+def test_an_edge_of_a_profile_the_run_lacks_is_told_so():
+    request = {"c_i_digest": "v", "c_i_digests": json.dumps({LAPTOP: "x", PI: "y"})}
+    assert cloud_digest(request, PI) == "y" and cloud_digest({"c_i_digest": "v"}, PI) == "v"
+    with pytest.raises(ConfigError, match="ships no bundle for profile 'cuda-24gb'; it ships cpu-laptop, rpi5-8gb"):
+        cloud_digest(request, "cuda-24gb")
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +210,15 @@ def test_a_packet_with_a_layer_its_profile_does_not_train_is_refused(mixed, tmp_
     assert "is of messenger layer 3, which profile rpi5-8gb does not train (it trains layers 4..4" in r.stderr
     assert {p.name: p.read_bytes() for p in RunFolder(run).server_state.iterdir()} == before
     assert not RunFolder(run).bundle(PI, 1).exists()
+
+
+def test_a_client_that_changes_profile_is_told_to_join_anew(mixed, tmp_path, demo_dir):
+    shutil.copytree(mixed / "run", tmp_path / "run")
+    aggregate_files(tmp_path / "run", [mixed / f"{c}.pkt" for c in "abc"])  # b trained the Pi's layer
+    bundle = RunFolder(tmp_path / "run").bundle(LAPTOP, 1)
+    train(bundle, demo_dir / "code" / "train.jsonl", tmp_path / "b-laptop", tmp_path / "b.pkt", client_id="b")
+    r = runner.invoke(cloud, ["aggregate", "--run", str(tmp_path / "run"), "--packets", str(tmp_path / "b.pkt")])
+    assert r.exit_code == 1 and "a device that changes profile joins as a new client id" in r.stderr
 
 
 def test_one_profile_in_a_two_profile_run_equals_a_one_profile_run(tmp_path, demo_dir):

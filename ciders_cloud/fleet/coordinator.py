@@ -72,6 +72,7 @@ class Coordinator:
         self.started = self.state.round  # where this ServerApp took the run up
         self._bundles: dict[str, Bundle] = {}  # this round's, verified once
         self._bytes: dict[tuple[str, str], bytes] = {}  # their files, read once for every edge
+        self._layers: dict[str, ProfileLayers] | None = None
 
     @property
     def round(self) -> int:
@@ -97,7 +98,10 @@ class Coordinator:
 
     @property
     def layers(self) -> dict[str, ProfileLayers]:
-        return ProfileLayers.of(self.run, self.state)
+        """Each profile's messenger layers and naming (the same for the whole run; read once)."""
+        if self._layers is None:
+            self._layers = ProfileLayers.of(self.run, self.state)
+        return self._layers
 
     def train_request(self, edge: Edge, answer: dict) -> tuple[dict, dict[str, bytes]]:
         """This round's bundle for the edge's profile: the manifest, and the files the edge lacks."""

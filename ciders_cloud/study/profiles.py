@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ciders_cloud.config import RunConfig, SimConfig
-from ciders_cloud.teacher import messenger_offset, split_for
+from ciders_cloud.teacher import messenger_offset, profile_spec
 from ciders_edge.model.split import shift_layers
 from ciders_edge.tensors import Tensors
 
@@ -24,7 +24,7 @@ class StudyProfiles:
     def of(cls, cfg: SimConfig, ids: list[str], run: RunConfig) -> StudyProfiles:
         profile_of = cfg.client_profiles(ids)
         names = dict.fromkeys(profile_of.values())
-        return cls(profile_of, {p: messenger_offset(run, split_for(run, profile=p)) for p in names})
+        return cls(profile_of, {p: messenger_offset(run, profile_spec(run, p)) for p in names})
 
     @property
     def groups(self) -> dict[str, list[str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from statistics import mean
 
 import torch
 from safetensors.torch import load_file
@@ -73,7 +74,8 @@ def run_rounds(
             _client_record(t, cid, hp, outputs[cid].summary, diag[cid], fetched[cid], probe_up.get(cid, 0))
             for cid in participants
         ]
-        records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, max(down.values())))
+        per_client = mean(down[profiles.profile_of[cid]] for cid in participants)  # profiles' bundles differ
+        records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, per_client))
         down = {p: agg["bytes_down"][p] for p in profiles.groups}  # what each client fetches for the next round
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
             last_eval = evaluate_groups(t + 1, profiles.groups, study, domains, cfg, device)

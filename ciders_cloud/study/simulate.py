@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from ciders_cloud.config import RunConfig, SimConfig, TakdConfig, fleet_split
+from ciders_cloud.config import RunConfig, SimConfig, TakdConfig
 from ciders_cloud.device import cloud_device
 from ciders_cloud.prepare import prepare
 from ciders_cloud.run_folder import StudyFolder
+from ciders_cloud.splits import fleet_split
 from ciders_cloud.study.partition import partition
 from ciders_cloud.study.round_loop import run_rounds
 from ciders_cloud.study.staging import staged

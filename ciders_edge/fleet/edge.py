@@ -89,8 +89,12 @@ def settle(state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int)
 def cloud_digest(request: Mapping, profile: str) -> str:
     """The cloud's digest of this client's c_i as ``profile``'s AdapEmu names the tensors (profiles
     on another learnable backbone name the messenger layers differently)."""
-    digests = json.loads(str(request["c_i_digests"])) if "c_i_digests" in request else {}
-    return str(digests.get(profile, request["c_i_digest"]))
+    if "c_i_digests" not in request:  # a cloud of one split names them as this edge does
+        return str(request["c_i_digest"])
+    digests = json.loads(str(request["c_i_digests"]))
+    if profile not in digests:
+        raise ConfigError(f"this run ships no bundle for profile {profile!r}; it ships {', '.join(digests)}")
+    return str(digests[profile])
 
 
 def sync(cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int) -> dict:

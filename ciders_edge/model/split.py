@@ -17,7 +17,7 @@ from transformers.modeling_utils import no_init_weights
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.families import family_of
 
-__all__ = ["SplitSpec", "kept_indices", "build_adapemu", "shift_layers", "layer_of"]
+__all__ = ["SplitSpec", "kept_indices", "build_adapemu", "shift_layers", "rename_layer", "layer_of"]
 
 
 def kept_indices(n_backbone: int, beta: float) -> list[int]:
@@ -151,16 +151,17 @@ def layer_of(key: str) -> int | None:
     return int(index) if sep and index.isdigit() else None
 
 
+def rename_layer(key: str, offset: int, first: int = 0) -> str:
+    """``key`` with ``layers.{i}.`` renamed ``layers.{i + offset}.`` when ``i >= first``."""
+    index = layer_of(key)
+    if index is None or index < first:
+        return key
+    head, _, rest = key.partition("layers.")
+    return f"{head}layers.{index + offset}{rest[len(str(index)) :]}"
+
+
 def shift_layers(tensors: dict[str, torch.Tensor], offset: int, first: int = 0) -> dict[str, torch.Tensor]:
     """Rename ``layers.{i}.`` to ``layers.{i + offset}.`` for every ``i >= first``: the messenger's
     layers sit at ``n'..n'+a-1`` in the AdapEmu and at ``n-a..n-1`` in AdapFu, and a learnable
     backbone of another drop ratio moves them by the difference of the two ``n'``."""
-
-    def rename(key: str) -> str:
-        index = layer_of(key)
-        if index is None or index < first:
-            return key
-        head, _, rest = key.partition("layers.")
-        return f"{head}layers.{index + offset}{rest[len(str(index)) :]}"
-
-    return {rename(k): v for k, v in tensors.items()}
+    return {rename_layer(k, offset, first): v for k, v in tensors.items()}
