@@ -13,12 +13,7 @@ from ciders_cloud.config import RunConfig
 from ciders_edge.errors import StateError
 from ciders_edge.tensors import Tensors
 
-__all__ = ["backbone_name", "pack", "unpack", "backbone_part", "tagged", "label"]
-
-
-def backbone_name(drop_ratio: float) -> str:
-    """The name a backbone's tensors carry on disk and in logs, e.g. ``drop0.5``."""
-    return f"drop{drop_ratio:g}"
+__all__ = ["pack", "unpack", "backbone_part", "tagged", "label"]
 
 
 def pack(parts: dict[str, Tensors], reference: str) -> Tensors:
@@ -41,8 +36,7 @@ def unpack(flat: Tensors, names: list[str], reference: str, where: str = "") -> 
 
 def backbone_part(run: RunConfig, flat: Tensors, name: str) -> Tensors:
     """Backbone ``name``'s tensors of a server-state file holding every backbone's (LoRA, TAKD moments)."""
-    names = [backbone_name(r) for r in run.drop_ratios]
-    return unpack(flat, names, names[0], "server state")[name]
+    return unpack(flat, run.backbone_names, run.backbone_names[0], "server state")[name]
 
 
 def tagged(run: RunConfig, name: str, records: list[dict]) -> list[dict]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from ciders_cloud.backbones import backbone_name, backbone_part
-from ciders_cloud.config import RunConfig
+from ciders_cloud.backbones import backbone_part
+from ciders_cloud.config import RunConfig, backbone_name
 from ciders_cloud.device import to_cpu
 from ciders_cloud.fidelity import Fidelity
 from ciders_cloud.run_folder import RunFolder

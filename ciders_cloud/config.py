@@ -32,6 +32,11 @@ ALIGN_PARAMS = ("layers", "lora")
 GAMMA_SCHEDULES = ("constant", "protocol-c")
 
 
+def backbone_name(drop_ratio: float) -> str:
+    """The name a learnable backbone's tensors carry on disk and in logs, e.g. ``drop0.5``."""
+    return f"drop{drop_ratio:g}"
+
+
 @dataclass
 class TakdConfig(ConfigMixin):
     """Task-aware KD of the learnable backbone (eq. 2) and prepare's bootstrap.
@@ -168,7 +173,7 @@ class RunConfig(ConfigMixin):
 
     def _check_backbones(self) -> None:
         """Every backbone serves a profile and has a name of its own; FedNest's family needs one split."""
-        names = [f"drop{r:g}" for r in self.drop_ratios]  # backbones.backbone_name
+        names = self.backbone_names
         if len(set(names)) < len(names):
             raise ConfigError(f"drop ratios {self.drop_ratios} are too close to tell apart ({', '.join(names)}).")
         if all(self.profile_split(p)[1] != self.drop_ratio for p in self.profiles):
@@ -194,6 +199,11 @@ class RunConfig(ConfigMixin):
             if drop not in out:
                 out.append(drop)
         return out
+
+    @property
+    def backbone_names(self) -> list[str]:
+        """The learnable backbones' names (:func:`backbone_name`), the reference first."""
+        return [backbone_name(r) for r in self.drop_ratios]
 
     @property
     def is_mixed(self) -> bool:

@@ -10,6 +10,7 @@ indices; v, c and every c_i are named as the reference backbone's AdapEmu names 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from ciders_cloud.backbones import backbone_name, unpack
-from ciders_cloud.config import RunConfig
+from ciders_cloud.backbones import unpack
+from ciders_cloud.config import RunConfig, backbone_name
 from ciders_cloud.device import CPU, to_cpu
 from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import StateError
@@ -41,7 +42,7 @@ class CloudModels:
     split: SplitSpec
     tokenizer: PreTrainedTokenizerBase
     device: torch.device = CPU  # where both models live and compute
-    name: str = ""  # the backbone's name (backbones.backbone_name)
+    name: str = ""  # the backbone's name (config.backbone_name)
     offset: int = 0  # its messenger layers' AdapEmu indices minus the reference backbone's
 
     def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -90,10 +91,16 @@ class CloudModels:
 def split_for(run: RunConfig, drop_ratio: float | None = None) -> SplitSpec:
     """The split of the run's learnable backbone of ``drop_ratio`` (default: the reference), from the
     model's config alone."""
-    config = AutoConfig.from_pretrained(run.model_path)
-    family_of(config)
     drop = run.drop_ratio if drop_ratio is None else drop_ratio
-    return SplitSpec.from_drop_ratio(config.num_hidden_layers, run.messenger_depth, drop)
+    return SplitSpec.from_drop_ratio(_num_layers(run.model_path), run.messenger_depth, drop)
+
+
+@functools.cache
+def _num_layers(model_path: str) -> int:
+    """The model's layer count, its family checked; read once (intake asks per packet and profile)."""
+    config = AutoConfig.from_pretrained(model_path)
+    family_of(config)
+    return config.num_hidden_layers
 
 
 def profile_spec(run: RunConfig, profile: str) -> SplitSpec:
@@ -112,7 +119,7 @@ def build_backbones(
 ) -> dict[str, CloudModels]:
     """One :class:`CloudModels` per learnable backbone of the run (reference first), over one teacher;
     ``state`` and ``aligned`` hold every backbone's tensors (:mod:`ciders_cloud.backbones`)."""
-    names = [backbone_name(r) for r in run.drop_ratios]
+    names = run.backbone_names
     backbone_lora = unpack(state.backbone, names, names[0], "server state") if state is not None else {}
     aligned_parts = unpack(aligned or {}, names, names[0], "aligned layers")
     out: dict[str, CloudModels] = {}
