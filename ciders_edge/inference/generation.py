@@ -1,14 +1,17 @@
-"""Text generation for any runtime: a torch model and an ONNX Runtime model share ``generate``.
+"""Text generation for any runtime: ``generate`` and ``generate_batch`` take either kind of model.
 
-Both are transformers ``GenerationMixin``s, so sampling, stopping and streaming are the library's;
-this module adds the chat template, the context check and the timings ``infer`` and ``bench`` report.
+A torch model and optimum's ONNX Runtime model are transformers ``GenerationMixin``s: sampling,
+stopping and streaming are the library's. A runtime with a decode loop of its own (llama.cpp, ONNX
+Runtime GenAI) is a :class:`TokenDecoder` that yields token ids; this module turns them into text.
+Either way it adds the chat template, the context check and the timings ``infer`` and ``bench`` report.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import PreTrainedTokenizerBase, TextStreamer
@@ -20,6 +23,7 @@ from ciders_edge.inference.compiled_decode import decodes_compiled, fall_back, s
 __all__ = [
     "GenerationSettings",
     "Generation",
+    "TokenDecoder",
     "chat_ids",
     "encode_prompt",
     "generate",
@@ -69,6 +73,19 @@ class Generation:
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+@runtime_checkable
+class TokenDecoder(Protocol):
+    """A runtime that runs its own decode loop: no transformers ``generate`` per token.
+
+    ``stream_tokens`` yields the new token ids for one prompt (batch 1) and stops after an end-of-turn
+    token (which it yields) or ``settings.max_new_tokens``, honouring ``min_new_tokens``, greedy at
+    temperature 0 and seeded sampling (``temperature``, ``top_p``, ``seed``) otherwise."""
+
+    context: int  # tokens the model can attend to
+
+    def stream_tokens(self, prompt_ids: list[int], settings: GenerationSettings) -> Iterator[int]: ...
 
 
 def context_length(config) -> int:
@@ -133,6 +150,8 @@ def generate(
     on_text: Callable[[str], None] | None = None,
 ) -> Generation:
     """Generate one answer (batch 1, as on a device); ``on_text`` receives it as it is decoded."""
+    if isinstance(model, TokenDecoder):
+        return _generate_tokens(model, tokenizer, input_ids[0].tolist(), settings, on_text)
     streamer = _TimedStreamer(tokenizer, on_text)
     start = time.perf_counter()
     out = _generate(model, tokenizer, input_ids, torch.ones_like(input_ids), settings, streamer)
@@ -154,6 +173,13 @@ def generate_batch(
 ) -> list[str]:
     """Answers to chat prompts, ``batch_size`` at a time (left-padded): scoring a file is offline
     work, and a batch decodes several times faster than one prompt after another on a CPU."""
+    if isinstance(model, TokenDecoder):  # batch 1: these runtimes are built for one stream
+        return [
+            generate(
+                model, tokenizer, encode_prompt(tokenizer, p, model.context, settings.max_new_tokens), settings
+            ).text
+            for p in prompts
+        ]
     model.eval()
     context = context_length(model.config)
     out = []
@@ -192,3 +218,28 @@ def _generate(model, tokenizer, ids: torch.Tensor, mask: torch.Tensor, settings:
                 streamer.rewind()
     torch.manual_seed(settings.seed)
     return model.generate(**kwargs, streamer=streamer)
+
+
+def _generate_tokens(
+    decoder: TokenDecoder,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: list[int],
+    settings: GenerationSettings,
+    on_text: Callable[[str], None] | None,
+) -> Generation:
+    """Drive a :class:`TokenDecoder`, passing on text as whole characters arrive (a multi-byte
+    character split over tokens decodes to U+FFFD until its last byte is in)."""
+    start, first, new, sent = time.perf_counter(), None, [], ""
+    for token in decoder.stream_tokens(prompt, settings):
+        first = first if first is not None else time.perf_counter() - start
+        new.append(token)
+        if on_text is not None:
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            if not text.endswith("\ufffd") and len(text) > len(sent):
+                on_text(text[len(sent) :])
+                sent = text
+    total = time.perf_counter() - start
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    if on_text is not None and len(text) > len(sent):
+        on_text(text[len(sent) :])
+    return Generation(text, len(prompt), len(new), first or total, total)
