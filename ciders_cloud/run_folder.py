@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ciders_edge.formats.lock import LOCK_FILE  # in a run folder, and in the hidden folder a study is built in
+
 __all__ = [
     "RunFolder",
     "StudyFolder",
@@ -61,7 +63,6 @@ __all__ = [
     "TAKD_OPTIMIZER",
 ]
 
-LOCK_FILE = ".lock"  # in a run folder, and in the hidden folder a study is built in
 MESSENGER_LORA = "messenger_lora.safetensors"  # the server state's files
 BACKBONE_LORA = "backbone_lora.safetensors"
 CONSENSUS = "consensus.safetensors"

@@ -6,7 +6,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +18,9 @@ from ciders_cloud.rounds import aggregate_packets
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import StateError
+from ciders_edge.faults import CRASH_ENV
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet
 from ciders_edge.training.train import train
 
@@ -117,13 +118,6 @@ def test_round_advances_and_absent_clients_keep_c_i(round0, tmp_path):
     assert again.exit_code == 0 and "already aggregated" in again.stderr
 
 
-def _round(run):
-    try:
-        return json.loads((RunFolder(run).server_state / "state.json").read_text())["round"]
-    except (OSError, ValueError):
-        return None
-
-
 def _summary(run):
     return json.loads((RunFolder(run).server_state / "state.json").read_text())["last_summary"]
 
@@ -132,37 +126,58 @@ def _cli(run, packets):
     return [sys.executable, "-m", "ciders_cloud", *_args(run, packets)]
 
 
-def test_kill_9_at_any_moment_then_rerun_equals_uninterrupted(round0, tmp_path):
-    ref_run, packets = _copy(round0, tmp_path / "ref")
+# the steps where aggregate's writes can be cut: round 1's bundle staged, then the server
+# state (the commit point) staged, its old copy set aside, the new one in place with the old one still there
+KILL_POINTS = ("staged:round-0001", "staged:server", "aside:server", "swapped:server")
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_kill_9_at_any_step_then_rerun_equals_uninterrupted(round0, reference_round, tmp_path, point):
+    """SIGKILL at a named step (CIDERS_CRASH_AT, no timing): the rerun ends where an uninterrupted
+    run ends, and no hidden folder of the interrupted swap is left behind."""
+    ref = reference_round
+    run, packets = _copy(round0, tmp_path)
+    killed = subprocess.run(_cli(run, packets), capture_output=True, timeout=300, env={**os.environ, CRASH_ENV: point})
+    assert killed.returncode == -signal.SIGKILL, (point, killed.stderr[-2000:])
+    if point.endswith(":server") and point != "staged:server":  # the case CI met: the old state left aside
+        assert (run / ".server.old").is_dir(), point
+    rerun = subprocess.run(_cli(run, packets), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert _state_bytes(run) == ref["state"], point
+    assert Bundle.load(run / "bundles" / "cpu-laptop" / "round-0001").manifest["files"] == ref["bundle_files"]
+    # the rerun's record is the uninterrupted one's: every TAKD step logged once, bytes down against round 0
+    assert (run / "distill.jsonl").read_text() == ref["log"], point
+    assert _summary(run)["bytes_down"] == ref["bytes_down"], point
+    assert not [p for p in run.rglob(".*") if p.name != ".lock"], point  # no staging or aside copy left
+
+
+@pytest.fixture(scope="module")
+def reference_round(round0, tmp_path_factory):
+    """An uninterrupted aggregate of the two packets: what every interrupted one must end as."""
+    ref_run, packets = _copy(round0, tmp_path_factory.mktemp("ref"))
     subprocess.run(_cli(ref_run, packets), check=True, capture_output=True, timeout=300)
-    expected = _state_bytes(ref_run)
-    expected_log = (ref_run / "distill.jsonl").read_text()
-    expected_down = _summary(ref_run)["bytes_down"]
-    expected_bundle = Bundle.load(ref_run / "bundles" / "cpu-laptop" / "round-0001").manifest["files"]
-    bundles_dir = "bundles/cpu-laptop"
-    # kill points: while starting, while writing round 1's bundle, right after the state swap
-    for i, when in enumerate(("start", "bundle", "state")):
-        run, _ = _copy(round0, tmp_path / f"k{i}")
-        proc = subprocess.Popen(_cli(run, packets), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:
-            if when == "start" and time.monotonic() > deadline - 298.5:
-                break
-            if when == "bundle" and any((run / bundles_dir).glob(".round-0001*")):
-                break
-            if when == "state" and _round(run) == 1:
-                break
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        rerun = subprocess.run(_cli(run, packets), capture_output=True, text=True, timeout=300)
-        assert rerun.returncode == 0, rerun.stderr
-        assert _state_bytes(run) == expected, when
-        assert Bundle.load(run / bundles_dir / "round-0001").manifest["files"] == expected_bundle
-        # the rerun's record is the uninterrupted one's: every TAKD step logged once, bytes down against round 0
-        assert (run / "distill.jsonl").read_text() == expected_log, when
-        assert _summary(run)["bytes_down"] == expected_down, when
-        assert not [p for p in run.rglob(".*") if p.name not in (".lock",)], when  # no staging left behind
+    files = Bundle.load(ref_run / "bundles" / "cpu-laptop" / "round-0001").manifest["files"]
+    log, down = (ref_run / "distill.jsonl").read_text(), _summary(ref_run)["bytes_down"]
+    return {"run": ref_run, "state": _state_bytes(ref_run), "log": log, "bytes_down": down, "bundle_files": files}
+
+
+@pytest.mark.parametrize("point", ["staged:current", "aside:current", "swapped:current"])
+def test_train_killed_at_a_swap_step_leaves_no_hidden_folder(round0, reference_round, demo_dir, tmp_path, point):
+    """SIGKILL at a named step of the edge state's swap in round 1: the next `train` on that state
+    takes its lock, finishes or removes what the swap left, and trains (or refuses the done round)."""
+    state = tmp_path / "state"
+    shutil.copytree(round0 / "state-a", state)
+    bundle = reference_round["run"] / "bundles" / "cpu-laptop" / "round-0001"
+    cmd = [sys.executable, "-m", "ciders_edge", "train", "--bundle", str(bundle), "--state", str(state)]
+    cmd += ["--data", str(demo_dir / "dates" / "train.jsonl"), "--out", str(tmp_path / "a1.pkt")]
+    killed = subprocess.run(cmd, capture_output=True, timeout=300, env={**os.environ, CRASH_ENV: point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [p for p in state.iterdir() if p.name.startswith(".current.")], point  # the swap's leftover
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = point == "swapped:current"  # the new state was in place: round 1 is trained
+    assert rerun.returncode == (1 if done else 0) and ("already trained round 1" in rerun.stderr) == done, rerun.stderr
+    assert ClientState.load(state).round == 1
+    assert sorted(p.name for p in state.iterdir() if p.name.startswith(".")) == [".lock"], point
 
 
 def test_packet_trained_with_another_gamma_or_a_bad_id_is_refused(round0, tmp_path):

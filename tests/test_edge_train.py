@@ -201,6 +201,20 @@ def test_state_survives_a_crash_between_the_two_renames(tmp_path):
     assert loaded is not None and loaded.round == 3 and (tmp_path / "current").is_dir()
 
 
+def test_a_crash_after_the_swap_leaves_nothing_aside(tmp_path):
+    """A crash after the new folder moved in, while the old copy was being removed, leaves the new
+    state and part of the old one aside: loading keeps the new state and removes the rest."""
+    s = ClientState("c0", "r" * 64, [0, 2, 5], 3, "b" * 64, "f" * 64, {"w": torch.ones(2)}, {"w": torch.zeros(2)})
+    s.save(tmp_path)
+    shutil.copytree(tmp_path / "current", tmp_path / ".current.old")
+    (tmp_path / ".current.old" / "consensus.safetensors").unlink()  # half removed
+    s.round = 4
+    s.save(tmp_path / "newer")
+    shutil.rmtree(tmp_path / "current")
+    (tmp_path / "newer" / "current").rename(tmp_path / "current")
+    assert ClientState.load(tmp_path).round == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["current", "newer"]
+
+
 def test_corrupt_state_file_is_a_state_error(tmp_path):
     from ciders_edge.errors import StateError
 

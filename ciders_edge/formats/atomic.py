@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
+from ciders_edge.faults import crash_point
+
 __all__ = [
     "write_bytes",
     "write_json",
@@ -120,29 +122,38 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 def replace_dir(staging: Path, target: Path) -> None:
     """Move a fully written ``staging`` directory into place as ``target``.
 
-    An existing ``target`` is renamed aside first and removed only after the swap, so a crash
-    leaves either the old directory or the new one (plus, at worst, a stale ``.old`` folder).
+    An existing ``target`` is renamed aside (``.NAME.old``) first and removed only after the swap, so
+    a crash leaves the old directory or the new one, and at worst the aside copy, which the next
+    :func:`recover_dir` (every reader calls it) puts back or removes.
     """
     recover_dir(target)
-    old = target.with_name(f".{target.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
+    old = _aside(target)
+    crash_point(f"staged:{target.name}")
     if target.exists():
         os.replace(target, old)
+        crash_point(f"aside:{target.name}")
     os.replace(staging, target)
     fsync_dir(target.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    crash_point(f"swapped:{target.name}")
+    shutil.rmtree(old, ignore_errors=True)  # a reader's recover_dir may be removing it too
+
+
+def _aside(target: Path) -> Path:
+    return target.with_name(f".{target.name}.old")
 
 
 _STAGING = re.compile(r"\..+\.[A-Za-z0-9_]{8}(\.tmp)?")  # staging_dir's folders, write_bytes' temp files
 
 
 def remove_stale_staging(root: Path) -> list[Path]:
-    """Delete the staging folders and temp files a killed writer left under ``root``; returns them.
+    """Clean up after writers killed under ``root``: finish each interrupted :func:`replace_dir` and
+    delete staging folders and temp files; returns what was removed.
 
-    Only safe while no writer can be running there (``ciders-cloud``'s run lock is held).
+    Only safe while no writer can be running there (the run's or the state's lock is held).
     """
+    for old in root.rglob(".*.old"):
+        if old.is_dir() and not old.is_symlink():
+            recover_dir(old.with_name(old.name[1 : -len(".old")]))
     stale = [p for p in root.rglob(".*") if _STAGING.fullmatch(p.name)]
     for path in stale:
         if path.is_dir() and not path.is_symlink():
@@ -153,9 +164,14 @@ def remove_stale_staging(root: Path) -> list[Path]:
 
 
 def recover_dir(target: Path) -> None:
-    """Finish an interrupted :func:`replace_dir`: if the crash came between its two renames, the
-    previous folder is still whole under its ``.old`` name; put it back."""
-    old = target.with_name(f".{target.name}.old")
-    if not target.exists() and old.exists():
+    """Finish an interrupted :func:`replace_dir`. A crash between its two renames left the previous
+    folder whole under its aside name and no ``target``: put it back. A crash after the swap left
+    the new ``target`` and the old copy (perhaps half removed): remove the copy."""
+    old = _aside(target)
+    if not old.exists():
+        return
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
         os.replace(old, target)
-        fsync_dir(target.parent)
+    fsync_dir(target.parent)

@@ -16,6 +16,7 @@ from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import append_jsonl, write_bytes
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
+from ciders_edge.formats.lock import folder_lock
 from ciders_edge.formats.packet import Packet
 from ciders_edge.tensors import Tensors
 from ciders_edge.training.bilevel import client_gradients
@@ -52,18 +53,20 @@ def train(
         The round's output; ``.summary`` is what ``ciders-edge train --json`` prints.
     """
     b = Bundle.load(bundle)
-    state = ClientState.load(state_dir)
-    check_state(state, b)
-    if state is not None and client_id is not None and client_id != state.client_id:
-        raise ConfigError(f"--client-id {client_id!r} differs from the state's {state.client_id!r}")
-    cid = state.client_id if state is not None else client_id or os.uname().nodename
-    output = run_round(
-        b, data, state, client_id=cid, profile=profile, codec=codec, key=key,
-        overrides=overrides, on_step=on_step, hypergradient=hypergradient,
-    )  # fmt: skip
-    write_bytes(out, output.packet_bytes)
-    output.state.save(state_dir)
-    append_jsonl(Path(state_dir) / METRICS_LOG, [{"round": b.round, **s} for s in output.result.steps])
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    with folder_lock(state_dir, "ciders-edge train"):  # one round at a time on a state; cleans up a killed one
+        state = ClientState.load(state_dir)
+        check_state(state, b)
+        if state is not None and client_id is not None and client_id != state.client_id:
+            raise ConfigError(f"--client-id {client_id!r} differs from the state's {state.client_id!r}")
+        cid = state.client_id if state is not None else client_id or os.uname().nodename
+        output = run_round(
+            b, data, state, client_id=cid, profile=profile, codec=codec, key=key,
+            overrides=overrides, on_step=on_step, hypergradient=hypergradient,
+        )  # fmt: skip
+        write_bytes(out, output.packet_bytes)
+        output.state.save(state_dir)
+        append_jsonl(Path(state_dir) / METRICS_LOG, [{"round": b.round, **s} for s in output.result.steps])
     output.summary.update(packet=str(out), state=str(state_dir))
     return output
 
