@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEMO ?= runs/demo
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint readme clean
+.PHONY: install llamacpp demo test lint readme clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,14 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# the optional llama.cpp runtime (--runtime llamacpp): llama-cpp-python is an sdist that builds llama.cpp
+# (about 10 minutes on 2 cores, once: pip caches the wheel); tools/llamacpp_cmake_args.py picks the CPU flags
+$(VENV)/.llamacpp: $(VENV)/.installed
+	CMAKE_ARGS="$$($(PY) tools/llamacpp_cmake_args.py)" $(PY) -m pip install -q -e '.[dev,llamacpp]'
+	touch $@
+
+llamacpp: $(VENV)/.llamacpp
 
 demo: install
 	rm -rf $(DEMO)
