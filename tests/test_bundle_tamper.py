@@ -71,6 +71,14 @@ def _storage_renamed(fmt):
     return edit
 
 
+def _config(**changes):
+    def edit(bundle):
+        config = json.loads((bundle / "config.json").read_text())
+        (bundle / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return edit
+
+
 SCALES = [(v, "a quantization scale is") for v in (float("nan"), float("inf"), -1.0, 65504.0, 0.0)]
 CASES = [
     *[(s, lambda b, v=v: _edit_tensors(b, MESSENGER, _set_scale(v)), f"{MESSENGER}: tensor {DOWN}: {msg}")
@@ -84,6 +92,8 @@ CASES = [
     ("int8", _rename(MESSENGER, DOWN, "int8-row"), f"{MESSENGER}: tensor {DOWN}: integers (64, 128) I8 and scales"),
     ("int8", _storage_renamed("int4"), "which int4 storage never writes"),
     ("int4", _storage_renamed("int8"), "is recorded as int4-g32, which int8 storage never writes"),
+    ("int8", _config(num_hidden_layers=6), "config.json: num_hidden_layers is 6, the manifest's split gives 5"),
+    ("int4", _config(hidden_size=32), f"backbone.safetensors: tensor {EMBED} has shape (49152, 64), its config.json"),
 ]  # fmt: skip
 
 

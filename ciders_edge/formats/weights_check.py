@@ -48,7 +48,10 @@ def check_weights(path: Path, manifest: dict) -> None:
             else:  # format 1: the weights as the model holds them
                 shapes = {name: shape for name, (_, shape) in header.items()}
             config = FULL_DIR + "/config.json" if rel == FULL_WEIGHTS else "config.json"
-            _check_shapes(shapes, _model_shapes(path / config, manifest["files"][config]), where, config)
+            split = manifest["split"]  # the AdapEmu: its kept layers, then the messenger's; AdapFu: all n
+            layers = split["n"] if rel == FULL_WEIGHTS else len(split["kept"]) + split["a"]
+            model = _model_shapes(path / config, manifest["files"][config], layers)
+            _check_shapes(shapes, model, where, config)
 
 
 def _header(where: Path, record: dict[str, str] | None) -> Header:
@@ -130,24 +133,30 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], model: dict, where: Path, 
             raise BundleError(f"{where}: tensor {name} has shape {shape}, its {config} gives {want}")
 
 
-def _model_shapes(config: Path, digest: str) -> dict[str, tuple[int, ...]]:
-    """Every weight's shape in the model ``config`` describes, built on the meta device (no memory);
-    ``digest`` (its verified sha256) keys a cache, so every bundle of a run builds it once."""
-    if digest not in _SHAPES:
-        _SHAPES[digest] = _build_shapes(config)
-    return _SHAPES[digest]
+def _model_shapes(config: Path, digest: str, layers: int) -> dict[str, tuple[int, ...]]:
+    """Every weight's shape in the model ``config`` describes (of ``layers`` layers, as the split
+    says), built on the meta device (no memory); ``digest``, its verified sha256, keys a cache, so
+    every bundle of a run builds it once."""
+    if (digest, layers) not in _SHAPES:
+        _SHAPES[digest, layers] = _build_shapes(config, layers)
+    return _SHAPES[digest, layers]
 
 
-_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
+_SHAPES: dict[tuple[str, int], dict[str, tuple[int, ...]]] = {}
+_CONFIG_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, ArithmeticError, OSError, RuntimeError)
 
 
-def _build_shapes(config: Path) -> dict[str, tuple[int, ...]]:
+def _build_shapes(config: Path, layers: int) -> dict[str, tuple[int, ...]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         cfg = AutoConfig.from_pretrained(config.parent)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
-    except (ValueError, TypeError, KeyError, AttributeError, OSError, RuntimeError) as err:
+        got = getattr(cfg, "num_hidden_layers", None)
+        if got == layers:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg)
+    except (*_CONFIG_ERRORS, ImportError) as err:
         raise BundleError(f"{config}: not a model config this toolkit can build ({str(err)[:120]})") from None
+    if got != layers:
+        raise BundleError(f"{config}: num_hidden_layers is {got!r:.20}, the manifest's split gives {layers}")
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
