@@ -25,7 +25,7 @@ from ciders_cloud.teacher import messenger_offset, profile_spec
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.formats.packet import Packet, consensus_digest, read_key_file
+from ciders_edge.formats.packet import Packet, PacketHeader, consensus_digest, read_key_file
 from ciders_edge.model.split import layer_of, rename_layer, shift_layers
 from ciders_edge.tensors import Tensors, norm
 from ciders_edge.training.round import PROBE_KIND
@@ -47,12 +47,22 @@ CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 @dataclass
 class Received:
-    packet: Packet
+    """A packet as read: its verified header first; its tensors once :func:`check_packets` has found
+    the header's names and shapes to be the ones the run expects (so nothing else is decompressed)."""
+
+    header: PacketHeader
     size: int
     digest: str
     where: str
     profile: str = ""  # whose bundle it was trained on (set by check_packets)
     dc: Tensors = field(default_factory=dict)  # its Δc_i, named as v is (set by check_packets)
+    decoded: Packet | None = None  # set by check_packets
+
+    @property
+    def packet(self) -> Packet:
+        if self.decoded is None:
+            raise RuntimeError(f"{self.where}: the packet's tensors are read only by check_packets")
+        return self.decoded
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,8 @@ class ProfileLayers:
 
 
 def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received]:
-    """Parse packets, verifying each with its client's key when ``RUN/keys/<client>.key`` exists."""
+    """Verify packets and read their headers (each with its client's key when ``RUN/keys/<client>.key``
+    exists); the payloads stay compressed until :func:`check_packets` knows what they must hold."""
     out = []
     for where, data in items:
         client = Packet.peek_client_id(data, where)
@@ -89,8 +100,8 @@ def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received
             raise PacketError(f"{where}: client id {client!r} is not a valid id (letters, digits, . _ -)")
         key_file = RunFolder(run_dir).key_file(client)
         key = read_key_file(key_file) if key_file.is_file() else None
-        packet = Packet.from_bytes(data, key, where=where)
-        out.append(Received(packet, len(data), hashlib.sha256(data).hexdigest(), where))
+        header = Packet.read_header(data, key, where=where)
+        out.append(Received(header, len(data), hashlib.sha256(data).hexdigest(), where))
     return out
 
 
@@ -110,7 +121,7 @@ def check_packets(
     layers = ProfileLayers.of(run, state)
     seen: set[str] = set()
     for r in received:
-        p, where = r.packet, r.where
+        p, where = r.header, r.where
         if p.round != state.round:
             raise PacketError(f"{where}: packet is for round {p.round}, the server is at round {state.round}")
         if p.bundle_id not in bundle_ids:
@@ -134,26 +145,21 @@ def check_packets(
         seen.add(p.client_id)
         trained = profile.to_own({k: state.messenger[k] for k in profile.trained})  # as the edge names them
         want = expected if expected is not None else {**trained, **(state.backbone if hp.send_grad_y else {})}
-        _check_layers(p, profile, r.profile, state.messenger, trained, where)
-        for name, ref in want.items():
-            got = p.tensors.get(name)
-            if got is None or got.shape != ref.shape:
-                shape = None if got is None else tuple(got.shape)
-                raise PacketError(f"{where}: tensor {name} has shape {shape}, expected {tuple(ref.shape)}")
-        if set(p.tensors) != set(want):
-            raise PacketError(f"{where}: unexpected tensors {sorted(set(p.tensors) - set(want))[:2]}")
+        _check_layers(set(p.shapes), profile, r.profile, state.messenger, trained, where)
         if p.num_examples <= 0:
             raise PacketError(f"{where}: |D_i| must be positive, got {p.num_examples}")
-        p.check_finite(where)
-        r.dc = profile.to_global({k: p.tensors[k] for k in trained if k in p.tensors})
+        # the header's names and shapes against the run's, before one byte of the payload is decompressed
+        r.decoded = Packet.from_header(p, {name: tuple(ref.shape) for name, ref in want.items()})
+        r.decoded.check_finite(where)
+        r.dc = profile.to_global({k: r.decoded.tensors[k] for k in trained if k in r.decoded.tensors})
 
 
 def _check_layers(
-    p: Packet, layers: ProfileLayers, profile: str, messenger: Tensors, trained: Tensors, where: str
+    names: set[str], layers: ProfileLayers, profile: str, messenger: Tensors, trained: Tensors, where: str
 ) -> None:
     """A messenger tensor of a layer the packet's profile does not train is refused by name: its
     bundle froze that layer at v, so the edge has no business moving it."""
-    frozen = sorted(set(p.tensors) & (set(layers.to_own(messenger)) - set(trained)))
+    frozen = sorted(names & (set(layers.to_own(messenger)) - set(trained)))
     if frozen:
         name, indices = frozen[0], sorted({layer_of(k) for k in trained})
         raise PacketError(
@@ -168,7 +174,7 @@ def client_consensus(state: ServerState, client_id: str, trained: Sequence[str])
     return state.clients.get(client_id, zero)
 
 
-def _check_consensus_digest(p: Packet, state: ServerState, profile: ProfileLayers, where: str) -> None:
+def _check_consensus_digest(p: PacketHeader, state: ServerState, profile: ProfileLayers, where: str) -> None:
     """The edge's c_i and the cloud's copy must be the same tensors (eq. 11 uses the cloud's)."""
     if p.metrics.get("kind") == PROBE_KIND:
         return

@@ -179,7 +179,7 @@ def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]], device:
     if not received:
         raise PacketError("no probe packets given; FedNest's hypergradient needs at least one")
     for r in received:
-        if r.packet.metrics.get("kind") != PROBE_KIND:
+        if r.header.metrics.get("kind") != PROBE_KIND:
             raise PacketError(f"{r.where}: not a probe packet (FedNest's first exchange sends gradients)")
     hp = check_round(run_dir, run, state, received, expected={**state.messenger, **state.backbone})
     weights = participation_weights([r.packet.num_examples for r in received])

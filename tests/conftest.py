@@ -84,3 +84,17 @@ def tiny_run(tmp_path_factory, demo_dir):
     )
     summary = prepare(run, out)
     return out, summary
+
+
+@pytest.fixture(scope="session")
+def quantized_bundles(tmp_path_factory, demo_dir):
+    """Round-0 bundles of a tiny run with frozen weights stored int8 and int4 (``{"int8": path, ...}``),
+    for tests that tamper with quantized weights: copy one before changing it."""
+    from ciders_cloud import prepare
+
+    out = {}
+    for storage in ("int8", "int4"):
+        root = tmp_path_factory.mktemp(f"q-{storage}")
+        prepare(fast_run_config(demo_dir, storage=storage), root / "run")
+        out[storage] = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
+    return out

@@ -2,14 +2,17 @@
 
 import json
 import os
+import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import fast_run_config
+from test_packet import _forge, _zeros_frame
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
@@ -19,6 +22,7 @@ from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_edge.errors import StateError
 from ciders_edge.faults import CRASH_ENV
+from ciders_edge.formats import packet as packet_module
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet
@@ -72,6 +76,7 @@ def _args(run, packets):
         (lambda p: _like(p, bundle_id="f" * 64), "trained on bundle ffff"),
         (lambda p: _like(p, client_id="mallory"), "unknown client id"),
         (lambda p: _like(p, tensors={k: v[:1] for k, v in p.tensors.items()}), "has shape"),
+        (lambda p: _like(p, tensors=dict(list(p.tensors.items())[1:])), "is missing (expected shape"),
         (lambda p: _like(p, tensors={k: v * float("nan") for k, v in p.tensors.items()}), "non-finite"),
         # finite but huge: eq. (11) divides by alpha and overflows; v and c would be Inf for every edge
         (lambda p: _like(p, tensors={k: torch.full_like(v, 3e38) for k, v in p.tensors.items()}), "not finite"),
@@ -88,6 +93,34 @@ def test_bad_packet_changes_nothing(round0, tmp_path, mutate, message):
     r = runner.invoke(cloud, _args(run, [packets[0], str(bad)]))
     assert r.exit_code == 1 and message in r.stderr and "Traceback" not in r.output
     assert _state_bytes(run) == before and not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
+
+
+def _claiming_2gib(packet_file: str, out, frame: bytes | None = None) -> tuple[str, str]:
+    """``packet_file`` re-signed with a header that declares its first tensor as 2 GiB of fp32, over
+    ``frame`` (default: ~64 KB that do decompress to 2 GiB; issue 27's probe took aggregate to 4.5 GB)."""
+    data = open(packet_file, "rb").read()
+    (hlen,) = struct.unpack_from("<I", data, 9)
+    header = json.loads(data[13 : 13 + hlen])
+    header["tensors"] = [{**header["tensors"][0], "shape": [1 << 29]}]
+    out.write_bytes(_forge(header, _zeros_frame(2 << 30) if frame is None else frame))
+    return str(out), header["tensors"][0]["name"]
+
+
+def test_a_packet_that_claims_gigabytes_is_refused_before_decompressing(round0, tmp_path, monkeypatch):
+    """Names and shapes are checked against the LoRA the client's profile trains before any payload is
+    decompressed: a refusal in one line naming the packet and tensor, the state unchanged, and no
+    decompression beyond an honest packet's size (counted, not timed)."""
+    run, packets = _copy(round0, tmp_path)
+    before = _state_bytes(run)
+    bad, name = _claiming_2gib(packets[1], tmp_path / "claims.pkt")
+    sizes, decompress = [], packet_module._decompress
+    monkeypatch.setattr(packet_module, "_decompress", lambda f, n, w: sizes.append(n) or decompress(f, n, w))
+    r = runner.invoke(cloud, _args(run, [packets[0], bad]))
+    honest = sum(t.numel() * 4 for t in Packet.load(packets[0]).tensors.values())
+    assert r.exit_code == 1 and "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert re.search(rf"claims.pkt: tensor {re.escape(name)} has shape \(536870912,\), expected \(\d+, \d+\)", r.stderr)
+    assert max(sizes) <= honest < 1 << 20 and _state_bytes(run) == before
+    assert not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
 
 
 def test_corrupt_and_duplicate_packets(round0, tmp_path):

@@ -12,12 +12,15 @@ import json
 import shutil
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load, save
 
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import BundleError
 from ciders_edge.formats.bundle import MANIFEST, Bundle
+from ciders_edge.formats.bundle import MESSENGER_LAYERS_FILE as MESSENGER
 from ciders_edge.model.lora import LoraSettings
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import DTYPES, DeviceProfile
@@ -54,7 +57,12 @@ TRICKY = [
     float("nan"),
     float("inf"),
     1e308,
+    "int8-g32",
+    "int8-row",
+    "int4-g32",
+    "int4",
 ]
+SCALE = [float("nan"), float("inf"), -float("inf"), -1.0, 0.0, 65504.0, 2**-24]
 NAMES = st.text(max_size=8) | st.sampled_from([t for t in TRICKY if isinstance(t, str)])  # keys and paths
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=12), st.sampled_from(TRICKY))
 JSON = st.recursive(
@@ -98,6 +106,7 @@ def _use(b: Bundle) -> None:
     assert DTYPES[m["dtype"]] is not None and m.get("deploy_backbone", "emu") in ("emu", "full")
     assert isinstance(m["base_model"]["id"] + m["base_model"]["revision"][:12] + m["profile"]["name"], str)
     assert sum((b.path / f).stat().st_size for f in m["files"]) > 0 and b.has_full_backbone in (True, False)
+    b.base_weights()  # the weights decode as the storage record says (Bundle.load checked that it fits)
 
 
 def _paths(node, prefix=()):
@@ -173,3 +182,72 @@ def test_the_unmutated_manifest_loads(bundle):
     path, raw = bundle
     (path / MANIFEST).write_bytes(raw)
     _use(Bundle.load(path))
+
+
+WEIGHT_EDITS = ("flip", "cut", "scale", "rows", "drop", "dtype")
+
+
+@pytest.fixture(scope="module")
+def quantized(quantized_bundles, tmp_path_factory):
+    """Private copies of the int8 and int4 bundles, and their messenger file's bytes and decoded weights."""
+    out = {}
+    for storage, src in quantized_bundles.items():
+        path = tmp_path_factory.mktemp("fuzz-q") / storage
+        shutil.copytree(src, path)
+        raw = (path / MESSENGER).read_bytes(), (path / MANIFEST).read_bytes()
+        out[storage] = path, raw, {k: v.shape for k, v in Bundle.load(path).tensors(MESSENGER).items()}
+    return out
+
+
+def _replace(path, data: bytes) -> None:
+    """Write by rename: tensors still mapped from the old file keep their bytes (no SIGBUS)."""
+    path.with_suffix(".new").write_bytes(data)
+    path.with_suffix(".new").replace(path)
+
+
+def _edit_weights(raw: bytes, data) -> bytes:
+    """One hostile edit of a safetensors file: bytes flipped or cut, or a tensor's scales, rows, dtype
+    changed or the tensor dropped."""
+    op = data.draw(st.sampled_from(WEIGHT_EDITS))
+    if op in ("flip", "cut"):
+        b = bytearray(raw)
+        for _ in range(data.draw(st.integers(1, 4)) if op == "flip" else 0):
+            b[data.draw(st.integers(0, len(b) - 1))] = data.draw(st.integers(0, 255))
+        return bytes(b[: data.draw(st.integers(0, len(b)))] if op == "cut" else b)
+    tensors = load(raw)
+    name = data.draw(st.sampled_from(sorted(tensors)))
+    t = tensors[name]
+    if op == "scale" and t.dtype == torch.float16:
+        t.view(-1)[data.draw(st.integers(0, t.numel() - 1))] = data.draw(st.floats(width=16) | st.sampled_from(SCALE))
+    elif op == "rows":
+        tensors[name] = t[: data.draw(st.integers(0, t.shape[0]))].clone()
+    elif op == "drop":
+        del tensors[name]
+    else:
+        tensors[name] = t.to(data.draw(st.sampled_from([torch.float16, torch.float32, torch.int8, torch.uint8])))
+    return save(tensors)
+
+
+@FUZZ
+@given(data=st.data())
+def test_resigned_weight_files_are_refused_or_load_as_the_model_expects(quantized, data):
+    """An attacker who can write the folder re-signs the checksums; a bundle whose messenger file was
+    edited is then refused with one BundleError line, or its weights decode, finite where quantized, to
+    exactly the shapes of the untouched file (issue 27, item 6)."""
+    from test_bundle_tamper import resign
+
+    path, (raw, manifest), shapes = quantized[data.draw(st.sampled_from(sorted(quantized)))]
+    _replace(path / MESSENGER, _edit_weights(raw, data))
+    (path / MANIFEST).write_bytes(manifest)
+    resign(path)
+    try:
+        b = Bundle.load(path)
+    except BundleError as err:
+        assert "\n" not in str(err) and str(path) in str(err)
+        event("refused")
+        return
+    event("loaded")
+    got = b.tensors(MESSENGER)
+    assert {k: v.shape for k, v in got.items()} == shapes
+    quantized_names = [k for k, f in b.manifest["storage"]["tensors"][MESSENGER].items() if f != "fp32"]
+    assert all(torch.isfinite(got[k]).all() for k in quantized_names)

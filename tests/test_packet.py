@@ -189,3 +189,35 @@ def test_fuzzed_packets_fail_with_one_packet_error_and_bounded_memory():
         except PacketError:
             pass
     assert time.monotonic() - start < 60 and _peak_rss_mb() - before < 200
+
+
+def _zeros_frame(n: int) -> bytes:
+    """A zstd frame of ``n`` zero bytes: 2 GiB take about 64 KB."""
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor(level=1).stream_writer(out, closefd=False) as w:
+        for i in range(0, n, 1 << 24):
+            w.write(bytes(min(1 << 24, n - i)))
+    return out.getvalue()
+
+
+def test_a_header_is_checked_against_the_expected_tensors_before_decompressing(monkeypatch):
+    """A receiver that knows what it expects refuses a header that declares anything else, naming the
+    tensor, without decompressing a byte: here a 2 GiB tensor over a ~64 KB frame that really holds 2 GiB."""
+    from ciders_edge.formats import packet as packet_module
+
+    calls = []
+    monkeypatch.setattr(packet_module, "_decompress", lambda *a: calls.append(a[1]) or pytest.fail("decompressed"))
+    huge = _forge(_header(tensors=[{"name": "a", "shape": [1 << 29], "scale": None}]), _zeros_frame(2 << 30))
+    assert len(huge) < 100_000 and Packet.read_header(huge, where="h.pkt").shapes == {"a": (1 << 29,)}
+    cases = [
+        ({"a": (2,)}, r"h.pkt: tensor a has shape \(536870912,\), expected \(2,\)"),
+        ({"a": (1 << 29,), "b": (3,)}, r"h.pkt: tensor b is missing \(expected shape \(3,\)\)"),
+        ({}, r"h.pkt: unexpected tensors \['a'\]"),
+    ]
+    for expected, message in cases:
+        with pytest.raises(PacketError, match=message):
+            Packet.from_bytes(huge, where="h.pkt", expected=expected)
+    assert calls == []
+    monkeypatch.undo()
+    good = _packet().to_bytes()
+    assert Packet.from_bytes(good, expected={"a": [2]}).tensors["a"].tolist() == [1.0, -2.0]

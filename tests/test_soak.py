@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from conftest import fast_run_config
-from test_aggregate import _like, _state_bytes
+from test_aggregate import _claiming_2gib, _like, _state_bytes
 
 from ciders_cloud import prepare
 from ciders_cloud.lock import run_lock
@@ -42,6 +42,7 @@ def _hostile(valid: Packet, out) -> dict[str, list[str]]:
     (out / "flipped.pkt").write_bytes(bytes(flipped))
     sets["flipped"] = [str(out / "flipped.pkt")]
     sets["replayed"] = [str(out / "a.pkt"), str(out / "a.pkt")]
+    sets["claims_2gib"] = [_claiming_2gib(str(out / "a.pkt"), out / "claims.pkt", frame=b"\x28\xb5\x2f\xfd" * 4)[0]]
     return sets
 
 

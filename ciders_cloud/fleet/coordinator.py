@@ -122,9 +122,9 @@ class Coordinator:
         """Refuse a packet from another client than the authenticated node, or for another round or bundle."""
         where = f"round {self.round} reply of {edge.client_id}"
         [received] = read_packets(self.run_dir, [(where, packet)])
-        if received.packet.client_id != edge.client_id:
+        if received.header.client_id != edge.client_id:
             raise PacketError(
-                f"{where}: packet claims client {received.packet.client_id!r}, the node is {edge.client_id!r}"
+                f"{where}: packet claims client {received.header.client_id!r}, the node is {edge.client_id!r}"
             )
         bundle_ids = {self.bundle(p).bundle_id: p for p in self.run.profiles}
         hp = round_hyperparams_for(self.run, self.round)

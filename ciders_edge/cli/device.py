@@ -63,7 +63,7 @@ def verify(
     bundle: Annotated[Path, typer.Option(help="Bundle folder.")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Check every checksum of a bundle and show what it holds."""
+    """Check every checksum of a bundle and that its weights are what loading expects; show what it holds."""
 
     def body() -> dict:
         b = Bundle.load(bundle)

@@ -39,6 +39,7 @@ from ciders_edge.formats.manifest import (
     validate_manifest,
 )
 from ciders_edge.formats.storage import GROUP, decode, encode
+from ciders_edge.formats.weights_check import check_weights
 from ciders_edge.profiles import DTYPES
 
 __all__ = [
@@ -114,7 +115,8 @@ class Bundle:
 
         Raises:
             BundleError: a file is missing or changed; the manifest is not a bundle's, lacks a core
-                file, lists a path outside the folder, or holds a field of the wrong type.
+                file, lists a path outside the folder, or holds a field of the wrong type; a weight
+                file's header, dtypes, shapes or scales are not what loading relies on (weights_check).
         """
         path = Path(path)
         mpath = path / MANIFEST
@@ -125,6 +127,7 @@ class Bundle:
             raise BundleError(f"{mpath}: corrupt manifest ({getattr(err, 'msg', err)})") from None
         validate_manifest(manifest, mpath)
         verify_files(path, manifest["files"], BundleError, "bundle")
+        check_weights(path, manifest)  # what the checksums cannot say: that the weights are what loading expects
         return cls(path, manifest, hashlib.sha256(raw).hexdigest())
 
     @classmethod

@@ -16,6 +16,7 @@ import hmac
 import json
 import math
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,31 +26,19 @@ import zstandard
 
 from ciders_edge.errors import ConfigError, PacketError
 from ciders_edge.formats.atomic import write_bytes
+from ciders_edge.formats.packet_header import CODECS, PacketHeader, parse_header
 from ciders_edge.tensors import Tensors
 
-__all__ = ["Packet", "CODECS", "MAGIC", "consensus_digest"]
+__all__ = ["Packet", "PacketHeader", "CODECS", "MAGIC", "consensus_digest"]
 
 MAGIC = b"CIDERSPK"
 FORMAT_VERSION = 1
-CODECS = ("fp32", "bf16", "int8")
 TAG_BYTES = 32
 MAX_HEADER = 1 << 24
 ZSTD_LEVEL = 10
 _WIRE = {"fp32": "<f4", "bf16": "<i2", "int8": "i1"}
-MAX_EXAMPLES = 1 << 24  # |D_i| beyond this is a lie: it would let one client outweigh the whole fleet
-MAX_ELEMENTS = 1 << 31
 MAX_PAYLOAD = 1 << 32  # 4 GiB decoded: far above any messenger LoRA, far below a bomb
-_HEADER_FIELDS = {
-    "client_id": str,
-    "round": int,
-    "bundle_id": str,
-    "codec": str,
-    "num_examples": int,
-    "metrics": dict,
-    "tensors": list,
-    "auth": str,
-}
-_KIND_NAMES = {str: "a string", int: "an integer", dict: "an object", list: "a list"}
+Expected = Mapping[str, Sequence[int]]  # tensor name: shape
 
 
 @dataclass
@@ -98,46 +87,56 @@ class Packet:
         return body + _tag(body, key)
 
     @classmethod
-    def from_bytes(cls, data: bytes, key: bytes | None = None, where: str = "packet") -> Packet:
+    def from_bytes(
+        cls, data: bytes, key: bytes | None = None, where: str = "packet", expected: Expected | None = None
+    ) -> Packet:
         """Parse and verify a packet; every failure is a :class:`PacketError` naming ``where``.
 
-        The tag is checked first; the header is then type-checked, and the payload is decompressed to at
-        most the size its shapes imply, so a small packet cannot claim gigabytes.
+        :meth:`read_header`, then :meth:`from_header`: with ``expected`` (tensor name: shape), a header
+        that declares anything else is refused before the payload is decompressed.
         """
+        return cls.from_header(cls.read_header(data, key, where), expected)
+
+    @staticmethod
+    def read_header(data: bytes, key: bytes | None = None, where: str = "packet") -> PacketHeader:
+        """The tag checked, then the header type-checked; the payload is left compressed."""
         if len(data) < len(MAGIC) + 5 + 8 + TAG_BYTES or data[: len(MAGIC)] != MAGIC:
             raise PacketError(f"{where}: not a CIDERS packet")
         version, hlen = struct.unpack_from("<BI", data, len(MAGIC))
         if version != FORMAT_VERSION:
             raise PacketError(f"{where}: packet format version {version} is not supported (expected {FORMAT_VERSION})")
-        body, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
+        view = memoryview(data)
+        body, tag = view[:-TAG_BYTES], data[-TAG_BYTES:]
         if not hmac.compare_digest(tag, _tag(body, key)):
             what = "authentication tag" if key else "integrity check"
             raise PacketError(f"{where}: {what} failed (corrupt, truncated, or signed with another key)")
         start = len(MAGIC) + 5
         if hlen > MAX_HEADER or start + hlen + 8 > len(body):
             raise PacketError(f"{where}: header length {hlen} is out of bounds")
-        header = _parse_header(body[start : start + hlen], where)
-        if header["auth"] == "hmac-sha256" and key is None:
+        h = parse_header(bytes(body[start : start + hlen]), where)
+        if h["auth"] == "hmac-sha256" and key is None:
             raise PacketError(f"{where}: packet is authenticated but no client key was given to verify it")
         (plen,) = struct.unpack_from("<Q", body, start + hlen)
         if plen != len(body) - start - hlen - 8:
             raise PacketError(f"{where}: payload size does not match its header")
-        itemsize = np.dtype(_WIRE[header["codec"]]).itemsize
-        sizes = [math.prod(spec["shape"]) * itemsize for spec in header["tensors"]]
-        payload = _decompress(body[start + hlen + 8 :], sum(sizes), where)
+        fields = [h["client_id"], h["round"], h["bundle_id"], h["codec"], h["num_examples"], h["metrics"]]
+        return PacketHeader(*fields, tuple(h["tensors"]), h["auth"], where, body[start + hlen + 8 :])
+
+    @classmethod
+    def from_header(cls, header: PacketHeader, expected: Expected | None = None) -> Packet:
+        """Decode the payload of a verified header: to exactly ``expected``'s names and shapes when
+        given (checked first), and never to more bytes than the header declares."""
+        if expected is not None:
+            header.check_tensors(expected)
+        itemsize = np.dtype(_WIRE[header.codec]).itemsize
+        sizes = [math.prod(spec["shape"]) * itemsize for spec in header.specs]
+        payload = _decompress(header.frame, sum(sizes), header.where)
         tensors, offset = {}, 0
-        for spec, n in zip(header["tensors"], sizes, strict=True):
-            tensors[spec["name"]] = _decode(payload[offset : offset + n], spec, header["codec"])
+        for spec, n in zip(header.specs, sizes, strict=True):
+            tensors[spec["name"]] = _decode(payload[offset : offset + n], spec, header.codec)
             offset += n
-        return cls(
-            header["client_id"],
-            header["round"],
-            header["bundle_id"],
-            header["codec"],
-            header["num_examples"],
-            tensors,
-            header["metrics"],
-        )
+        h = header
+        return cls(h.client_id, h.round, h.bundle_id, h.codec, h.num_examples, tensors, h.metrics)
 
     @staticmethod
     def peek_client_id(data: bytes, where: str = "packet") -> str:
@@ -191,59 +190,7 @@ def consensus_digest(c_i: Tensors | None) -> str:
     return h.hexdigest()
 
 
-def _parse_header(raw: bytes, where: str) -> dict:
-    """The header as a dict whose every field has the type and range the format says."""
-    try:
-        header = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError, MemoryError, OverflowError) as err:
-        raise PacketError(f"{where}: malformed packet header ({type(err).__name__})") from None
-    if not isinstance(header, dict):
-        raise PacketError(f"{where}: malformed packet header (not a JSON object)")
-    for name, kind in _HEADER_FIELDS.items():
-        value = header.get(name)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise PacketError(f"{where}: header field {name!r} must be {_KIND_NAMES[kind]}, got {value!r:.60}")
-    if header["codec"] not in CODECS or header["auth"] not in ("sha256", "hmac-sha256"):
-        raise PacketError(f"{where}: unknown codec {header['codec']!r:.20} or auth {header['auth']!r:.20}")
-    if not 0 <= header["round"] < 1 << 31 or not 0 < header["num_examples"] <= MAX_EXAMPLES:
-        raise PacketError(
-            f"{where}: round {header['round']} or num_examples {header['num_examples']} out of range "
-            f"(num_examples 1..{MAX_EXAMPLES})"
-        )
-    names = set()
-    for spec in header["tensors"]:
-        _check_spec(spec, header["codec"], where)
-        if spec["name"] in names:
-            raise PacketError(f"{where}: tensor {spec['name']!r} appears twice")
-        names.add(spec["name"])
-    return header
-
-
-def _check_spec(spec: object, codec: str, where: str) -> None:
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("shape"), list):
-        raise PacketError(f"{where}: malformed tensor entry {spec!r:.80}")
-    shape = spec["shape"]
-    if len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape):
-        raise PacketError(f"{where}: tensor {spec['name']!r:.60} has a bad shape {shape!r:.60}")
-    if math.prod(shape) > MAX_ELEMENTS:
-        raise PacketError(f"{where}: tensor {spec['name']!r:.60} claims {math.prod(shape)} elements")
-    scale = spec.get("scale")
-    if codec == "int8" and not (isinstance(scale, float | int) and math.isfinite(scale) and scale > 0):
-        raise PacketError(f"{where}: tensor {spec['name']!r:.60} has no valid int8 scale")
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:20]} is out of range")
-    return value
-
-
-def _decompress(frame: bytes, expected: int, where: str) -> bytes:
+def _decompress(frame: bytes | memoryview, expected: int, where: str) -> memoryview:
     """Decompress at most ``expected + 1`` bytes: anything that is not exactly ``expected`` is refused
     without ever holding more than that in memory (a decompression bomb stops at the bound)."""
     if expected > MAX_PAYLOAD:
@@ -261,7 +208,7 @@ def _decompress(frame: bytes, expected: int, where: str) -> bytes:
     if len(out) != expected:
         more = "more than" if len(out) > expected else f"{len(out):,} bytes, not"
         raise PacketError(f"{where}: payload decompresses to {more} the {expected:,} bytes its header implies")
-    return bytes(out)
+    return memoryview(out)  # no copy: the tensors are decoded from it
 
 
 def _tag(body: bytes, key: bytes | None) -> bytes:
@@ -282,7 +229,7 @@ def _encode(t: torch.Tensor, codec: str) -> tuple[bytes, float | None]:
     return q.numpy().tobytes(), scale
 
 
-def _decode(buf: bytes, spec: dict, codec: str) -> torch.Tensor:
+def _decode(buf: bytes | memoryview, spec: dict, codec: str) -> torch.Tensor:
     shape = spec["shape"]
     arr = np.frombuffer(buf, dtype=_WIRE[codec]).reshape(shape)
     if codec == "fp32":
