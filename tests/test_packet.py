@@ -4,7 +4,6 @@ import json
 import random
 import resource
 import struct
-import time
 
 import pytest
 import torch
@@ -168,7 +167,7 @@ def test_fuzzed_packets_fail_with_one_packet_error_and_bounded_memory():
     rng = random.Random(0)
     valid = _packet("int8", w=torch.randn(16, 8), b=torch.randn(8)).to_bytes()
     body = valid[:-32]
-    before, start = _peak_rss_mb(), time.monotonic()
+    before = _peak_rss_mb()
     for i in range(3000):
         kind = i % 4
         if kind == 0:
@@ -188,7 +187,7 @@ def test_fuzzed_packets_fail_with_one_packet_error_and_bounded_memory():
             Packet.from_bytes(data)
         except PacketError:
             pass
-    assert time.monotonic() - start < 60 and _peak_rss_mb() - before < 200
+    assert _peak_rss_mb() - before < 200  # memory, not time: a slow machine must not fail it
 
 
 def _zeros_frame(n: int) -> bytes:
