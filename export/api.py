@@ -65,7 +65,7 @@ def export_model(
     try:
         with stage(f"writing the {fmt} model" + (f" ({quantize})" if quantize != "none" else "")):
             extra = (
-                {"gguf": save_gguf(edge, plan, staging, source.to_dict())}
+                {"gguf": save_gguf(edge, plan, staging, source.to_dict(), out.name)}
                 if plan
                 else _save(edge, fmt, quantize, staging)
             )

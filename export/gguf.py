@@ -57,7 +57,7 @@ def plan_gguf(bundle: Bundle, backbone: str, merged: bool, quantize: str, base: 
     known = base_gguf(model_id) if not merged else None
     if merged or known is None:
         if base is not None:
-            why = "a merged export" if merged else f"the bundle's base model {model_id}, which does not come from a GGUF"
+            why = "a merged export" if merged else f"base model {model_id}, which does not come from a GGUF"
             raise ConfigError(f"--base-gguf is not used for {why}: the export writes the base model itself")
         return GgufPlan(merged, DEFAULT_QUANT if quantize == "none" else quantize)
     if quantize != "none":
@@ -77,43 +77,41 @@ def plan_gguf(bundle: Bundle, backbone: str, merged: bool, quantize: str, base: 
     return GgufPlan(False, "none", path.resolve(), known[0], digest)
 
 
-def save_gguf(edge: EdgeModel, plan: GgufPlan, folder: Path, source: dict) -> dict:
+def save_gguf(edge: EdgeModel, plan: GgufPlan, folder: Path, source: dict, name: str) -> dict:
     """Write the GGUF(s), Modelfile and README into ``folder``; return the manifest's ``gguf`` entry.
 
-    Consumes ``edge`` (a merged export folds the LoRA in place)."""
+    ``name``: the export folder's final name (the ollama model's name in the README). Consumes
+    ``edge`` (a merged export folds the LoRA in place)."""
     config = edge.model.get_base_model().config
-    what = f"{edge.bundle.path} ({edge.bundle.manifest['base_model']['id']})"
-    check_llama(config, what)
-    vocab = SmolLM2Vocab(smollm2_gguf())  # tiny uses SmolLM2's tokenizer too; others are refused here
-    vocab.check(edge.tokenizer.get_vocab(), what)
-    meta = _meta(source, plan)
-    name = f"ciders {source['bundle_id'][:12]} {source.get('client_id') or source['messenger']}"
+    model_id = edge.bundle.manifest["base_model"]["id"]
+    check_llama(config, f"{edge.bundle.path} ({model_id})")
+    vocab = SmolLM2Vocab.of(smollm2_gguf())  # tiny uses SmolLM2's tokenizer too; others are refused here
+    vocab.check(edge.tokenizer.get_vocab(), f"{edge.bundle.path} ({model_id})")
+    title = f"ciders {source['bundle_id'][:12]} {source.get('client_id') or source['messenger']}"
     entry: dict = {"kind": "merged" if plan.merged else "adapter"}
     if plan.merged:
         state = merge_messenger(edge).state_dict()
-        kinds = write_model(folder / MODEL_FILE, state, config, vocab, plan.quantize, name, meta)
+        kinds = write_model(folder / MODEL_FILE, state, config, vocab, plan.quantize, title, _meta(source))
         entry.update(model=MODEL_FILE, tensor_types=kinds)
     else:
-        alpha = edge.bundle.manifest["lora"]["alpha"]
-        write_adapter(folder / ADAPTER_FILE, _messenger_pairs(edge), alpha, config, name, meta)
-        entry.update(adapter=ADAPTER_FILE, lora_alpha=alpha)
         if plan.base is None:  # a base model that does not come from a GGUF: write it beside the adapter
-            base_name = f"{edge.bundle.manifest['base_model']['id']} base"
-            kinds = write_model(folder / BASE_FILE, _base_state(edge), config, vocab, plan.quantize, base_name, {})
+            kinds = write_model(folder / BASE_FILE, _base_state(edge), config, vocab, plan.quantize, model_id, {})
             entry.update(model=BASE_FILE, tensor_types=kinds)
             entry["base"] = {"name": BASE_FILE, "sha256": sha256_file(folder / BASE_FILE), "path": BASE_FILE}
         else:
             entry["base"] = {"name": plan.base_name, "sha256": plan.base_sha256, "path": str(plan.base)}
+        alpha = edge.bundle.manifest["lora"]["alpha"]
+        meta = _meta(source) | {"base_gguf": entry["base"]["name"], "base_gguf_sha256": entry["base"]["sha256"]}
+        write_adapter(folder / ADAPTER_FILE, _messenger_pairs(edge), alpha, config, title, meta)
+        entry.update(adapter=ADAPTER_FILE, lora_alpha=alpha)
     write_bytes(folder / "Modelfile", _modelfile(entry, vocab).encode())
-    write_bytes(folder / "README.md", _readme(entry, source, folder.name).encode())
+    write_bytes(folder / "README.md", _readme(entry, source, name).encode())
     return entry
 
 
-def _meta(source: dict, plan: GgufPlan) -> dict[str, str | int]:
-    meta = {k: v for k, v in source.items() if isinstance(v, str | int) and v != ""}
-    if plan.base is not None:
-        meta.update(base_gguf=plan.base_name, base_gguf_sha256=plan.base_sha256)
-    return meta
+def _meta(source: dict) -> dict[str, str | int]:
+    """Where the model came from (bundle, client, round), as ``ciders.*`` keys."""
+    return {k: v for k, v in source.items() if isinstance(v, str | int) and v != ""}
 
 
 def _messenger_pairs(edge: EdgeModel) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -10,6 +10,7 @@ alpha / rank, as PEFT does).
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -49,6 +50,12 @@ class SmolLM2Vocab:
         reader = gguf.GGUFReader(path)
         self.fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
         self.tokens: list[str] = self.fields["tokenizer.ggml.tokens"].contents()
+
+    @classmethod
+    @functools.cache
+    def of(cls, path: Path) -> SmolLM2Vocab:
+        """Read once per process: parsing 98k strings out of a GGUF takes seconds."""
+        return cls(path)
 
     @property
     def chat_template(self) -> str:
@@ -204,6 +211,9 @@ def write_adapter(
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
     _metadata(writer, name, meta)
+    if "base_gguf" in meta:
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, str(meta["base_gguf"]))
     for hf_name, (a, b) in lora.items():
         b = b.detach().float()
         if (heads := _heads(hf_name, config)) is not None:

@@ -28,7 +28,7 @@ from ciders_edge.training.train import train
 from export import export_model
 from export.check import check_inputs
 from export.gguf import gguf_torch_model
-from export.gguf_tensors import permute, unpermute
+from export.gguf_tensors import SmolLM2Vocab, permute, unpermute
 
 runner = CliRunner()
 PROMPT = [{"role": "user", "content": "What is the date 3 days after 2024-05-17?"}]
@@ -51,11 +51,12 @@ def exports(trained, tmp_path_factory):
     bundle, state = trained
     root = tmp_path_factory.mktemp("gguf")
     out = {"hf": export_model(bundle, state, "hf", root / "hf", backbone="full")}
-    out["adapter"] = export_model(bundle, state, "gguf", root / "adapter", backbone="full")
-    # f16: llama.cpp's AMX kernels crash on tiny's 64-wide q8_0 weights (SIGSEGV; fine without AMX repacking)
-    out["adapter-f16"] = export_model(bundle, state, "gguf", root / "adapter-f16", "f16", backbone="full")
+    # base.gguf in f16: llama.cpp's AMX kernels crash on tiny's 64-wide q8_0 weights (SIGSEGV in decode;
+    # fine with use_extra_bufts off); q8_0 is the merged model's
+    out["adapter"] = export_model(bundle, state, "gguf", root / "adapter", "f16", backbone="full")
     for q in ("f16", "q8_0"):
         out[q] = export_model(bundle, state, "gguf", root / q, q, backbone="full", merged=True)
+    out["emu"] = export_model(bundle, state, "gguf", root / "emu", "q4_0", backbone="emu")  # always merged
     return out
 
 
@@ -74,6 +75,12 @@ def test_adapter_gguf_holds_the_messenger_lora_in_llama_cpp_layout(trained, expo
     assert _field(r, "general.architecture") == "llama"
     assert _field(r, "adapter.lora.alpha") == Bundle.load(bundle).manifest["lora"]["alpha"]
     assert _field(r, "ciders.client_id") == "e1" and _field(r, "ciders.backbone") == "full"
+    base = Export.load(exports["adapter"]["out"]).manifest["gguf"]["base"]
+    assert (
+        _field(r, "ciders.base_gguf_sha256")
+        == base["sha256"]
+        == sources.sha256_file(Path(exports["adapter"]["out"]) / "base.gguf")
+    )
     tensors = {t.name: t for t in r.tensors}
     blocks = {name.split(".")[1] for name in tensors}
     assert blocks == {"6", "7"}  # the messenger's layers, numbered as in the full model
@@ -106,8 +113,8 @@ def test_tiny_adapter_comes_with_its_base_and_an_ollama_modelfile(exports):
     assert "FROM ./base.gguf" in modelfile and "ADAPTER ./adapter.gguf" in modelfile
     assert "<|im_start|>{{ .Role }}" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
     readme = (folder / "README.md").read_text()
-    assert "ollama create" in readme and "llama-cli -m ./base.gguf --lora adapter.gguf" in readme
-    assert exports["adapter"]["check"]["greedy_agreement"] >= 0.95  # a q8_0 base under the adapter
+    assert "ollama create adapter -f Modelfile" in readme and "llama-cli -m ./base.gguf --lora adapter.gguf" in readme
+    assert exports["adapter"]["check"]["greedy_agreement"] == 1.0  # an f16 base under the adapter
 
 
 def test_merged_gguf_tensors_types_and_metadata(exports):
@@ -115,14 +122,28 @@ def test_merged_gguf_tensors_types_and_metadata(exports):
         r = _reader(exports[q], "model.gguf")
         assert _field(r, "general.type") == "model" and _field(r, "llama.block_count") == LAYERS
         assert _field(r, "llama.attention.head_count_kv") == 2 and _field(r, "llama.embedding_length") == 64
-        base = gguf.GGUFReader(sources.smollm2_gguf())
+        base = SmolLM2Vocab.of(sources.smollm2_gguf()).fields
         for key in ("tokenizer.ggml.pre", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
-            assert _field(r, key) == _field(base, key)
+            assert _field(r, key) == base[key].contents()
         assert len(_field(r, "tokenizer.ggml.tokens")) == 49152
         types = {t.name: t.tensor_type for t in r.tensors}
         assert len(types) == 2 + 9 * LAYERS  # token_embd, output_norm; tied: no output.weight
         assert types["token_embd.weight"] == types["blk.3.ffn_down.weight"] == kind
         assert types["blk.3.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+
+
+def test_the_adapemu_exports_as_a_merged_gguf_with_4_bit_weights(exports):
+    exp = Export.load(exports["emu"]["out"])
+    assert exp.manifest["gguf"]["kind"] == "merged" and exp.source["backbone"] == "emu"
+    assert sorted(p.name for p in exp.path.iterdir()) == ["Modelfile", "README.md", "manifest.json", "model.gguf"]
+    r = _reader(exports["emu"], "model.gguf")
+    assert _field(r, "llama.block_count") == 5  # 3 kept backbone layers + the 2-layer messenger
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["blk.4.attn_q.weight"] == gguf.GGMLQuantizationType.Q4_0
+    assert types["token_embd.weight"] == gguf.GGMLQuantizationType.Q8_0  # the embedding and tied head keep 8 bits
+    assert "FROM ./model.gguf" in (exp.path / "Modelfile").read_text()
+    assert "ADAPTER" not in (exp.path / "Modelfile").read_text()
+    assert exports["emu"]["check"]["greedy_agreement"] >= 0.9
 
 
 def _greedy(model, tokenizer, n=12) -> list[int]:
@@ -228,7 +249,7 @@ def check_ids(exports) -> list[int]:
 def test_llama_cpp_runs_the_adapter_on_its_base_as_transformers_does(llama_cpp, exports, check_ids):
     """Base + adapter in llama.cpp computes what transformers computes from the same files (names,
     orientation, q/k permutation, alpha all right); without the adapter it is another model."""
-    folder = Path(exports["adapter-f16"]["out"])
+    folder = Path(exports["adapter"]["out"])
     exp = Export.load(folder)
     with torch.no_grad():
         ref = gguf_torch_model(folder, exp.manifest["gguf"])(torch.tensor([check_ids])).logits[0]
