@@ -1,8 +1,9 @@
-"""``ciders-edge export``: the personalized model as a deployable folder (hf or onnx, optionally int8).
+"""``ciders-edge export``: the personalized model as a deployable folder (hf, onnx, optionally int8, or gguf).
 
 The model is the AdapEmu or AdapFu (the messenger on the full backbone). The messenger LoRA (the
 state's x_K) and, on the AdapEmu, the learnable backbone's LoRA are merged into dense weights, so the
-folder needs neither PEFT nor this toolkit. Before the folder is published, the exported model is run
+folder needs neither PEFT nor this toolkit; ``gguf`` (:mod:`export.gguf`) is for llama.cpp and ollama,
+by default a LoRA adapter for the base GGUF. Before the folder is published, the exported model is run
 on fixed chats against the unmerged model; the manifest records how closely they agree.
 """
 
@@ -24,6 +25,7 @@ from ciders_edge.formats.export_folder import FORMAT as EXPORT_FORMAT
 from ciders_edge.formats.export_folder import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, resolve_backbone
 from export.check import all_logits, check_inputs, compare_logits
+from export.gguf import gguf_torch_model, plan_gguf, save_gguf
 from export.onnx import save_onnx
 
 __all__ = ["export_model"]
@@ -41,33 +43,37 @@ def export_model(
     stage: Stage = lambda _: nullcontext(),
     backbone: str | None = None,
     base_model: str | Path | None = None,
+    merged: bool = False,
+    base_gguf: str | Path | None = None,
 ) -> dict:
     """Write the export folder ``out`` atomically and return a summary (sizes, agreement, source).
 
-    ``backbone``: ``emu`` (the AdapEmu) or ``full`` (AdapFu); default, what the bundle deploys."""
+    ``backbone``: ``emu`` (the AdapEmu) or ``full`` (AdapFu); default, what the bundle deploys.
+    ``merged``, ``base_gguf``: gguf only (:func:`export.gguf.plan_gguf`)."""
     out = Path(out)
-    _check_args(fmt, quantize, out)
+    _check_args(fmt, quantize, out, merged or base_gguf is not None)
     start = time.perf_counter()
     with stage("loading the bundle and the personalized messenger"):
         b = Bundle.load(bundle)
         backbone = resolve_backbone(b, backbone)
+        plan = plan_gguf(b, backbone, merged, quantize, base_gguf) if fmt == "gguf" else None
+        quantize = plan.quantize if plan else quantize
         edge, source = load_personalized(b, state, use_global, torch.float32, backbone, base_model)
         inputs = check_inputs(edge.tokenizer)
         reference = all_logits(edge.model, inputs)  # the unmerged model, LoRA live
-        model, tokenizer = merge_messenger(edge), edge.tokenizer
-        del edge  # the merged model is all that is left of it
     staging = staging_dir(out)
     try:
         with stage(f"writing the {fmt} model" + (f" ({quantize})" if quantize != "none" else "")):
-            if fmt == "hf":
-                model.save_pretrained(staging, safe_serialization=True)
-                tokenizer.save_pretrained(staging)
-            else:
-                save_onnx(model, tokenizer, staging, quantize)
-        del model
-        manifest = export_manifest(staging, fmt, quantize, source.to_dict())
+            extra = (
+                {"gguf": save_gguf(edge, plan, staging, source.to_dict(), out.name)}
+                if plan
+                else _save(edge, fmt, quantize, staging)
+            )
+        del edge
+        manifest = export_manifest(staging, fmt, quantize, source.to_dict(), extra)
         with stage(f"checking the export against the unmerged {'AdapFu' if backbone == 'full' else 'AdapEmu'}"):
-            check = compare_logits(inputs, reference, all_logits(Export(staging, manifest).load_model(), inputs))
+            exported = gguf_torch_model(staging, extra["gguf"]) if plan else Export(staging, manifest).load_model()
+            check = compare_logits(inputs, reference, all_logits(exported, inputs))
         manifest["check"] = check
         write_json(staging / MANIFEST, manifest)
         fsync_tree(staging)
@@ -88,13 +94,26 @@ def export_model(
     }
 
 
-def _check_args(fmt: str, quantize: str, out: Path) -> None:
+def _save(edge, fmt: str, quantize: str, folder: Path) -> dict:
+    """The merged model as a transformers folder or ONNX; consumes ``edge``."""
+    model, tokenizer = merge_messenger(edge), edge.tokenizer
+    if fmt == "hf":
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    else:
+        save_onnx(model, tokenizer, folder, quantize)
+    return {}
+
+
+def _check_args(fmt: str, quantize: str, out: Path, gguf_options: bool) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if quantize not in QUANTIZATIONS:
+    if fmt != "gguf" and quantize not in QUANTIZATIONS:
         raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     if fmt == "hf" and quantize != "none":
-        raise ConfigError("--quantize applies to --format onnx only")
+        raise ConfigError("--quantize applies to --format onnx and gguf only")
+    if fmt != "gguf" and gguf_options:
+        raise ConfigError("--merged and --base-gguf apply to --format gguf only")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: is a file; --out must be a folder")
     if out.exists() and any(out.iterdir()) and not _is_export(out):

@@ -20,14 +20,26 @@ def export_command(
     bundle: Annotated[Path, typer.Option(help="Bundle folder the state trained on.")],
     out: Annotated[Path, typer.Option(help="Export folder to write (replaced if it is an export).")],
     state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
-    format: Annotated[str, typer.Option("--format", help="hf (merged transformers folder) or onnx.")] = "hf",
-    quantize: Annotated[str, typer.Option(help="none, int8 (weight-only, blockwise) or int8-dynamic.")] = "none",
+    format: Annotated[
+        str, typer.Option("--format", help="hf (merged transformers folder), onnx or gguf (llama.cpp, ollama).")
+    ] = "hf",
+    quantize: Annotated[
+        str,
+        typer.Option(help="onnx: none, int8 (weight-only, blockwise), int8-dynamic; gguf: f16, q8_0 (default), q4_0."),
+    ] = "none",
     use_global: Annotated[bool, typer.Option("--global", help="Export the bundle's global messenger.")] = False,
+    merged: Annotated[
+        bool, typer.Option("--merged", help="gguf: the whole model in one GGUF, not a LoRA adapter for the base GGUF.")
+    ] = False,
+    base_gguf: Annotated[
+        Path | None, typer.Option(help="gguf: the base GGUF the adapter is for (default: the embedded SmolLM2's).")
+    ] = None,
     backbone: BackboneOpt = None,
     base_model: BaseModelOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Merge the personalized messenger (and backbone) LoRA into a standalone model folder, optionally ONNX."""
+    """Merge the personalized messenger (and backbone) LoRA into a standalone model folder (hf, onnx), or write
+    it for llama.cpp and ollama (gguf: a LoRA adapter for the base GGUF, or --merged), with an ollama Modelfile."""
 
     def render(s: dict) -> None:
         c = s["check"]
@@ -39,7 +51,9 @@ def export_command(
         )
 
     run_command(
-        lambda: export_model(bundle, state, format, out, quantize, use_global, status, backbone, base_model),
+        lambda: export_model(
+            bundle, state, format, out, quantize, use_global, status, backbone, base_model, merged, base_gguf
+        ),
         as_json,
         render,
     )

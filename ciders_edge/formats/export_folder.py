@@ -1,8 +1,10 @@
-"""Exported model folders: a personalized model as plain Hugging Face files or ONNX, with a manifest.
+"""Exported model folders: a personalized model as plain Hugging Face files, ONNX or GGUF, with a manifest.
 
 The folder is what a user deploys: ``hf`` loads in plain ``AutoModelForCausalLM.from_pretrained``,
-``onnx`` in optimum's ``ORTModelForCausalLM``. ``manifest.json`` records where the model came from
-(bundle, client, round) and the sha256 of every file; :meth:`Export.load` verifies them all.
+``onnx`` in optimum's ``ORTModelForCausalLM``, ``gguf`` in llama.cpp and ollama (a LoRA adapter for a
+base GGUF the manifest names by sha256, or one merged GGUF: :meth:`Export.gguf_files`).
+``manifest.json`` records where the model came from (bundle, client, round) and the sha256 of every
+file; :meth:`Export.load` verifies them all.
 Writing lives in the ``export`` package; the edge runtime only reads.
 """
 
@@ -15,7 +17,7 @@ from pathlib import Path
 from ciders_edge.errors import ExportError
 from ciders_edge.formats.atomic import recover_dir
 from ciders_edge.formats.bundle import producer_versions
-from ciders_edge.formats.checksums import hash_folder, verify_files
+from ciders_edge.formats.checksums import hash_folder, sha256_file, verify_files
 
 __all__ = ["Export", "export_manifest", "FORMAT", "MANIFEST", "ONNX_FILE", "FORMATS", "QUANTIZATIONS"]
 
@@ -23,8 +25,9 @@ FORMAT = "ciders-export"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
-FORMATS = ("hf", "onnx")
-QUANTIZATIONS = ("none", "int8", "int8-dynamic")
+FORMATS = ("hf", "onnx", "gguf")
+QUANTIZATIONS = ("none", "int8", "int8-dynamic")  # onnx; gguf has its own (export.gguf_tensors.GGUF_TYPES)
+GGUF_KINDS = ("adapter", "merged")
 
 
 def export_manifest(folder: Path, fmt: str, quantize: str, source: dict, extra: dict | None = None) -> dict:
@@ -66,6 +69,8 @@ class Export:
         """The runtime name ``bench`` and ``infer`` report: torch, onnx, onnx-int8, ..."""
         if self.format == "hf":
             return "torch"
+        if self.format == "gguf":
+            return "llamacpp"
         return "onnx" if self.quantize == "none" else f"onnx-{self.quantize}"
 
     @classmethod
@@ -86,11 +91,34 @@ class Export:
         missing = [k for k in ("model_format", "quantize", "source", "files") if k not in m]
         if missing or m["model_format"] not in FORMATS:
             raise ExportError(f"{mpath}: manifest lacks {missing or ['a known model_format']}")
+        if m["model_format"] == "gguf" and (
+            not isinstance(m.get("gguf"), dict) or m["gguf"].get("kind") not in GGUF_KINDS
+        ):
+            raise ExportError(f"{mpath}: a gguf export's manifest lacks its gguf entry (kind {GGUF_KINDS})")
         verify_files(path, m["files"], ExportError, "export", advice="; export again")
         return cls(path, m)
 
+    def gguf_files(self) -> tuple[Path, Path | None]:
+        """``(model GGUF, adapter GGUF or None)`` for llama.cpp: a merged model, or the base GGUF the
+        adapter was exported for (which may lie outside the folder: its sha256 is checked here)."""
+        if self.format != "gguf":
+            raise ExportError(f"{self.path}: a {self.format} export, not gguf")
+        g = self.manifest["gguf"]
+        if g["kind"] == "merged":
+            return self.path / g["model"], None
+        base = self.path / g["base"]["path"]  # relative: written beside the adapter; absolute: elsewhere
+        if not base.is_file():
+            raise ExportError(
+                f"{base}: the base GGUF of {self.path} is missing ({g['base']['name']}, sha256 {g['base']['sha256']})"
+            )
+        if "model" not in g and sha256_file(base) != g["base"]["sha256"]:
+            raise ExportError(f"{base}: sha256 differs from the base GGUF {self.path} was exported for; export again")
+        return base, self.path / g["adapter"]
+
     def load_model(self, providers: list[str] | None = None):
         """The exported model, ready for ``generate``: transformers (hf) or ONNX Runtime (onnx)."""
+        if self.format == "gguf":
+            raise ExportError(f"{self.path}: a gguf export runs in llama.cpp (--runtime llamacpp)")
         if self.format == "hf":
             from transformers import AutoModelForCausalLM
 
