@@ -9,7 +9,8 @@ base written beside the adapter (``base.gguf``, at ``--quantize``). ``--merged``
 which no one has a base GGUF of) writes the whole personalized model as one ``model.gguf`` instead.
 
 Beside the model: an ollama ``Modelfile`` (ChatML template, SmolLM2's default system prompt, stop
-tokens) and a ``README.md`` with the commands that run it.
+tokens), a ``README.md`` with the commands that run it, and the Hugging Face tokenizer files, with
+which ``ciders-edge infer --runtime llamacpp`` builds the chat prompt as every other runtime does.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def save_gguf(edge: EdgeModel, plan: GgufPlan, folder: Path, source: dict, name:
         entry.update(adapter=ADAPTER_FILE, lora_alpha=alpha)
     write_bytes(folder / "Modelfile", _modelfile(entry, vocab).encode())
     write_bytes(folder / "README.md", _readme(entry, source, name).encode())
+    edge.tokenizer.save_pretrained(folder)  # for `ciders-edge infer/evaluate/bench`: the chat prompt, ids to text
     return entry
 
 

@@ -60,6 +60,13 @@ def exports(trained, tmp_path_factory):
     return out
 
 
+def _model_files(folder: Path) -> list[str]:
+    """The folder's files less the Hugging Face tokenizer's (which every export carries)."""
+    tokenizer = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}
+    assert tokenizer - {"vocab.json", "merges.txt"} <= {p.name for p in folder.iterdir()}
+    return sorted(p.name for p in folder.iterdir() if p.name not in tokenizer and p.name != "chat_template.jinja")
+
+
 def _reader(summary: dict, name: str) -> gguf.GGUFReader:
     return gguf.GGUFReader(Path(summary["out"]) / name)
 
@@ -135,7 +142,7 @@ def test_merged_gguf_tensors_types_and_metadata(exports):
 def test_the_adapemu_exports_as_a_merged_gguf_with_4_bit_weights(exports):
     exp = Export.load(exports["emu"]["out"])
     assert exp.manifest["gguf"]["kind"] == "merged" and exp.source["backbone"] == "emu"
-    assert sorted(p.name for p in exp.path.iterdir()) == ["Modelfile", "README.md", "manifest.json", "model.gguf"]
+    assert _model_files(exp.path) == ["Modelfile", "README.md", "manifest.json", "model.gguf"]
     r = _reader(exports["emu"], "model.gguf")
     assert _field(r, "llama.block_count") == 5  # 3 kept backbone layers + the 2-layer messenger
     types = {t.name: t.tensor_type for t in r.tensors}
@@ -200,7 +207,7 @@ def test_bad_gguf_input_is_one_line_and_writes_nothing(trained, exports, tmp_pat
     assert r.exit_code == 0, r.output
     g = Export.load(out).manifest["gguf"]
     assert g["base"] == {"name": "tiny.gguf", "sha256": sources.sha256_file(right), "path": str(right.resolve())}
-    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "README.md", "adapter.gguf", "manifest.json"]
+    assert _model_files(out) == ["Modelfile", "README.md", "adapter.gguf", "manifest.json"]
     assert f"FROM {right.resolve()}" in (out / "Modelfile").read_text()
     stranger = tmp_path / "stranger"
     stranger.mkdir()
@@ -286,3 +293,32 @@ def test_llama_cpps_converter_reads_the_hf_export(llama_cpp, exports, check_ids,
     ours = _llama_logits(check_ids, Path(exports["f16"]["out"]) / "model.gguf")
     theirs = _llama_logits(check_ids, out)
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1)) and float((theirs - ours).abs().max()) < 1e-3
+
+
+def _infer(*args: str) -> dict:
+    """`ciders-edge infer ... --json` through the real entry point, in its own process."""
+    cmd = [sys.executable, "-m", "ciders_edge", "infer", "--prompt", PROMPT[0]["content"], "--json", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_infer_runs_a_gguf_export_in_llama_cpp_and_answers_as_torch(llama_cpp, exports):
+    """A gguf export runs in llama.cpp when the user names no runtime; base + adapter (f16) answers
+    what the HF export answers in torch, token for token, through the same chat template."""
+    torch_run = _infer("--export", exports["hf"]["out"], "--max-new-tokens", "12")
+    for name in ("adapter", "f16"):
+        run = _infer("--export", exports[name]["out"], "--max-new-tokens", "12")
+        assert run["runtime"] == "llamacpp" and run["source"] == torch_run["source"], name
+        assert run["prompt_tokens"] == torch_run["prompt_tokens"] and run["text"] == torch_run["text"], name
+    fixed = _infer("--export", exports["q8_0"]["out"], "--max-new-tokens", "9", "--runtime", "llamacpp")
+    assert fixed["new_tokens"] <= 9
+
+
+def test_llama_cpp_runtime_without_a_gguf_export_is_one_line(trained, exports):
+    bundle, state = trained
+    r = runner.invoke(edge_app, ["infer", "--bundle", str(bundle), "--state", str(state), "--runtime", "llamacpp",
+                                 "--prompt", "hi"])  # fmt: skip
+    assert r.exit_code == 1 and "make one with `ciders-edge export --format gguf`" in r.stderr, r.output
+    r = runner.invoke(edge_app, ["infer", "--export", exports["hf"]["out"], "--runtime", "llamacpp", "--prompt", "hi"])
+    assert r.exit_code == 1 and "a hf export runs with --runtime torch" in r.stderr and "Traceback" not in r.output

@@ -1,8 +1,10 @@
-"""Open the personalized model in the runtime a device uses: torch, or ONNX Runtime on an export.
+"""Open the personalized model in the runtime a device uses: torch, ONNX Runtime or llama.cpp.
 
-Every runtime yields a model with transformers' ``generate``, so ``infer`` and ``bench`` are one code
-path. The torch runtime merges the messenger LoRA first: decoding then runs dense layers, no PEFT.
-On a GPU it decodes through a static KV cache and CUDA graphs (:mod:`.compiled_decode`).
+torch and ONNX Runtime yield a model with transformers' ``generate``; llama.cpp (a gguf export) a
+:class:`~ciders_edge.inference.generation.TokenDecoder` with its own loop. ``generate`` drives both
+kinds, so ``infer``, ``evaluate`` and ``bench`` are one code path. The torch runtime merges the
+messenger LoRA first: decoding then runs dense layers, no PEFT. On a GPU it decodes through a
+static KV cache and CUDA graphs (:mod:`.compiled_decode`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from ciders_edge.progress import console
 
 __all__ = ["Runtime", "open_runtime", "RUNTIMES"]
 
-RUNTIMES = ("torch", "onnx")
+RUNTIMES = ("torch", "onnx", "llamacpp")
+EXPORT_RUNTIMES = {"hf": "torch", "onnx": "onnx", "gguf": "llamacpp"}  # what runs each export format
 
 
 @dataclass
@@ -68,32 +71,46 @@ def open_runtime(
     """
     exp = Export.load(export) if export is not None else None
     if runtime is None:  # the export's own runtime, else torch
-        runtime = "onnx" if exp is not None and exp.format == "onnx" else "torch"
+        runtime = EXPORT_RUNTIMES[exp.format] if exp is not None else "torch"
     if runtime not in RUNTIMES:
         raise ConfigError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if decode not in DECODE_MODES:
         raise ConfigError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
     if exp is None:
-        if runtime == "onnx":
-            raise ConfigError("--runtime onnx runs an export: make one with `ciders-edge export`, pass it as --export")
+        if runtime != "torch":
+            fmt = next(f for f, r in EXPORT_RUNTIMES.items() if r == runtime)
+            raise ConfigError(
+                f"--runtime {runtime} runs an export: make one with `ciders-edge export --format {fmt}`, "
+                "pass it as --export"
+            )
         if bundle is None:
             raise ConfigError("pass --bundle (with --state or --global), or --export")
         b = Bundle.load(bundle)
         rt = _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model)
         _set_decode(rt.model, profile, decode)
         return rt
-    if (exp.format == "onnx") != (runtime == "onnx"):
-        wants = "onnx" if exp.format == "onnx" else "torch"
-        raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {wants}")
+    if EXPORT_RUNTIMES[exp.format] != runtime:
+        raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {EXPORT_RUNTIMES[exp.format]}")
     if bundle is not None:
         b = Bundle.load(bundle)
         _check_export_source(exp, b, state, use_global, exp.source.get("backbone", "emu"))
+    if runtime == "llamacpp":
+        return _llamacpp(exp)
     providers = resolve_providers(profile.execution_providers if profile else []) if runtime == "onnx" else []
     model = exp.load_model(providers)
     if runtime == "torch":
         model.to(pick_device(profile))
         _set_decode(model, profile, decode)
     return Runtime(exp.runtime, model, exp.load_tokenizer(), context_length(model.config), exp.source, providers)
+
+
+def _llamacpp(exp: Export) -> Runtime:
+    from ciders_edge.inference.llamacpp import LlamaCppDecoder
+
+    model, adapter = exp.gguf_files()
+    tokenizer = exp.load_tokenizer()
+    decoder = LlamaCppDecoder(model, adapter, {tokenizer.eos_token_id})
+    return Runtime(exp.runtime, decoder, tokenizer, decoder.context, exp.source)
 
 
 def _torch_from_bundle(
