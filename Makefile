@@ -23,9 +23,13 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 # the optional llama.cpp runtime (--runtime llamacpp): llama-cpp-python is an sdist that builds llama.cpp
-# (about 10 minutes on 2 cores, once: pip caches the wheel); tools/llamacpp_cmake_args.py picks the CPU flags
+# (about 10 minutes on 2 cores, once: pip caches the wheel); tools/llamacpp_cmake_args.py picks the CPU flags.
+# The sdist's llama.cpp source (convert_hf_to_gguf.py) is kept in the venv for the converter's test.
 $(VENV)/.llamacpp: $(VENV)/.installed
 	CMAKE_ARGS="$$($(PY) tools/llamacpp_cmake_args.py)" $(PY) -m pip install -q -e '.[dev,llamacpp]'
+	rm -rf $(VENV)/llama-cpp-src && mkdir -p $(VENV)/llama-cpp-src
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(VENV)/llama-cpp-src llama-cpp-python==0.3.36
+	tar xzf $(VENV)/llama-cpp-src/llama_cpp_python-0.3.36.tar.gz -C $(VENV)/llama-cpp-src
 	touch $@
 
 llamacpp: $(VENV)/.llamacpp

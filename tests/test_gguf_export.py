@@ -1,7 +1,8 @@
 """`export --format gguf` on `tiny`: adapter and merged GGUFs read back, agree with the HF export, run in llama.cpp.
 
 The llama.cpp tests need ``llama_cpp`` (the ``llamacpp`` extra) and, for the converter, llama.cpp's source
-(``$LLAMA_CPP_SOURCE`` or the sdist's vendor folder under /work/llama); they skip, saying why, otherwise.
+(``$LLAMA_CPP_SOURCE``, or the sdist's vendor folder that ``make llamacpp`` unpacks in the venv); they skip,
+saying why, otherwise.
 """
 
 import json
@@ -271,7 +272,7 @@ def test_llama_cpp_runs_the_adapter_on_its_base_as_transformers_does(llama_cpp, 
 
 def _llama_source() -> Path | None:
     env = os.environ.get("LLAMA_CPP_SOURCE")
-    candidates = [Path(env)] if env else sorted(Path("/work/llama").glob("*/vendor/llama.cpp"))
+    candidates = [Path(env)] if env else sorted((Path(sys.prefix) / "llama-cpp-src").glob("*/vendor/llama.cpp"))
     return next((c for c in candidates if (c / "convert_hf_to_gguf.py").is_file()), None)
 
 
