@@ -24,6 +24,7 @@ from ciders_edge.formats.export_folder import FORMAT as EXPORT_FORMAT
 from ciders_edge.formats.export_folder import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, resolve_backbone
 from export.check import all_logits, check_inputs, compare_logits
+from export.genai import save_genai
 from export.onnx import save_onnx
 
 __all__ = ["export_model"]
@@ -62,6 +63,8 @@ def export_model(
             if fmt == "hf":
                 model.save_pretrained(staging, safe_serialization=True)
                 tokenizer.save_pretrained(staging)
+            elif fmt == "genai":
+                save_genai(model, tokenizer, staging, quantize)
             else:
                 save_onnx(model, tokenizer, staging, quantize)
         del model
@@ -91,10 +94,12 @@ def export_model(
 def _check_args(fmt: str, quantize: str, out: Path) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if quantize not in QUANTIZATIONS:
-        raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     if fmt == "hf" and quantize != "none":
-        raise ConfigError("--quantize applies to --format onnx only")
+        raise ConfigError("--quantize applies to --format genai and onnx only")
+    if quantize not in QUANTIZATIONS[fmt]:
+        raise ConfigError(
+            f"--quantize for --format {fmt} must be one of {', '.join(QUANTIZATIONS[fmt])}, got {quantize!r}"
+        )
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: is a file; --out must be a folder")
     if out.exists() and any(out.iterdir()) and not _is_export(out):

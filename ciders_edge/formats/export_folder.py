@@ -1,8 +1,10 @@
 """Exported model folders: a personalized model as plain Hugging Face files or ONNX, with a manifest.
 
 The folder is what a user deploys: ``hf`` loads in plain ``AutoModelForCausalLM.from_pretrained``,
-``onnx`` in optimum's ``ORTModelForCausalLM``. ``manifest.json`` records where the model came from
-(bundle, client, round) and the sha256 of every file; :meth:`Export.load` verifies them all.
+``onnx`` in optimum's ``ORTModelForCausalLM``, ``genai`` in ONNX Runtime GenAI (``og.Model``), whose
+own decode loop is the fast on-device runtime (:mod:`ciders_edge.inference.genai`). ``manifest.json``
+records where the model came from (bundle, client, round) and the sha256 of every file;
+:meth:`Export.load` verifies them all.
 Writing lives in the ``export`` package; the edge runtime only reads.
 """
 
@@ -17,14 +19,15 @@ from ciders_edge.formats.atomic import recover_dir
 from ciders_edge.formats.bundle import producer_versions
 from ciders_edge.formats.checksums import hash_folder, verify_files
 
-__all__ = ["Export", "export_manifest", "FORMAT", "MANIFEST", "ONNX_FILE", "FORMATS", "QUANTIZATIONS"]
+__all__ = ["Export", "export_manifest", "FORMAT", "MANIFEST", "ONNX_FILE", "GENAI_CONFIG", "FORMATS", "QUANTIZATIONS"]
 
 FORMAT = "ciders-export"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
-FORMATS = ("hf", "onnx")
-QUANTIZATIONS = ("none", "int8", "int8-dynamic")
+GENAI_CONFIG = "genai_config.json"
+FORMATS = ("hf", "onnx", "genai")
+QUANTIZATIONS = {"hf": ("none",), "onnx": ("none", "int8", "int8-dynamic"), "genai": ("none", "int8", "int4")}
 
 
 def export_manifest(folder: Path, fmt: str, quantize: str, source: dict, extra: dict | None = None) -> dict:
@@ -63,10 +66,10 @@ class Export:
 
     @property
     def runtime(self) -> str:
-        """The runtime name ``bench`` and ``infer`` report: torch, onnx, onnx-int8, ..."""
+        """The runtime name ``bench`` and ``infer`` report: torch, onnx, onnx-int8, genai-int8, ..."""
         if self.format == "hf":
             return "torch"
-        return "onnx" if self.quantize == "none" else f"onnx-{self.quantize}"
+        return self.format if self.quantize == "none" else f"{self.format}-{self.quantize}"
 
     @classmethod
     def load(cls, path: str | Path) -> Export:
@@ -86,11 +89,18 @@ class Export:
         missing = [k for k in ("model_format", "quantize", "source", "files") if k not in m]
         if missing or m["model_format"] not in FORMATS:
             raise ExportError(f"{mpath}: manifest lacks {missing or ['a known model_format']}")
+        if m["quantize"] not in QUANTIZATIONS[m["model_format"]]:
+            raise ExportError(f"{mpath}: unknown quantize {m['quantize']!r} for a {m['model_format']} export")
         verify_files(path, m["files"], ExportError, "export", advice="; export again")
         return cls(path, m)
 
     def load_model(self, providers: list[str] | None = None):
-        """The exported model, ready for ``generate``: transformers (hf) or ONNX Runtime (onnx)."""
+        """The exported model, ready for ``generate``: transformers (hf), ONNX Runtime (onnx) or a
+        :class:`~ciders_edge.inference.generation.TokenDecoder` (genai)."""
+        if self.format == "genai":
+            from ciders_edge.inference.genai import GenAIDecoder
+
+            return GenAIDecoder.open(self.path, self.manifest["files"])
         if self.format == "hf":
             from transformers import AutoModelForCausalLM
 

@@ -1,7 +1,9 @@
 """Open the personalized model in the runtime a device uses: torch, or ONNX Runtime on an export.
 
-Every runtime yields a model with transformers' ``generate``, so ``infer`` and ``bench`` are one code
-path. The torch runtime merges the messenger LoRA first: decoding then runs dense layers, no PEFT.
+torch and onnx yield a model with transformers' ``generate``; genai (ONNX Runtime GenAI, the fast
+default for a ``genai`` export) a :class:`~.generation.TokenDecoder` with its own decode loop; the
+``generate`` functions take either, so ``infer`` and ``bench`` are one code path.
+The torch runtime merges the messenger LoRA first: decoding then runs dense layers, no PEFT.
 On a GPU it decodes through a static KV cache and CUDA graphs (:mod:`.compiled_decode`).
 """
 
@@ -30,13 +32,14 @@ from ciders_edge.progress import console
 
 __all__ = ["Runtime", "open_runtime", "RUNTIMES"]
 
-RUNTIMES = ("torch", "onnx")
+RUNTIMES = ("torch", "onnx", "genai")
+EXPORT_RUNTIME = {"hf": "torch", "onnx": "onnx", "genai": "genai"}  # what each export format runs in
 
 
 @dataclass
 class Runtime:
     name: str  # torch, onnx, onnx-int8, ...
-    model: object  # anything with transformers' ``generate``
+    model: object  # anything with transformers' ``generate``, or a TokenDecoder
     tokenizer: PreTrainedTokenizerBase
     context: int
     source: dict  # bundle, messenger (personalized/global), client, round
@@ -60,7 +63,8 @@ def open_runtime(
     base_model: str | Path | None = None,
     decode: str = "auto",
 ) -> Runtime:
-    """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export (``None``: the export's).
+    """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export; genai from a
+    ``genai`` export (``None``: the export's own runtime).
 
     ``backbone`` (torch from a bundle): ``emu`` or ``full`` (AdapFu); default, what the bundle deploys.
     With an export *and* a bundle, the export must have been made from that bundle and state.
@@ -68,23 +72,25 @@ def open_runtime(
     """
     exp = Export.load(export) if export is not None else None
     if runtime is None:  # the export's own runtime, else torch
-        runtime = "onnx" if exp is not None and exp.format == "onnx" else "torch"
+        runtime = EXPORT_RUNTIME[exp.format] if exp is not None else "torch"
     if runtime not in RUNTIMES:
         raise ConfigError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if decode not in DECODE_MODES:
         raise ConfigError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
     if exp is None:
-        if runtime == "onnx":
-            raise ConfigError("--runtime onnx runs an export: make one with `ciders-edge export`, pass it as --export")
+        if runtime != "torch":
+            raise ConfigError(
+                f"--runtime {runtime} runs an export: make one with `ciders-edge export --format {runtime}`, "
+                "pass it as --export"
+            )
         if bundle is None:
             raise ConfigError("pass --bundle (with --state or --global), or --export")
         b = Bundle.load(bundle)
         rt = _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model)
         _set_decode(rt.model, profile, decode)
         return rt
-    if (exp.format == "onnx") != (runtime == "onnx"):
-        wants = "onnx" if exp.format == "onnx" else "torch"
-        raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {wants}")
+    if EXPORT_RUNTIME[exp.format] != runtime:
+        raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {EXPORT_RUNTIME[exp.format]}")
     if bundle is not None:
         b = Bundle.load(bundle)
         _check_export_source(exp, b, state, use_global, exp.source.get("backbone", "emu"))
@@ -93,6 +99,8 @@ def open_runtime(
     if runtime == "torch":
         model.to(pick_device(profile))
         _set_decode(model, profile, decode)
+    if runtime == "genai":
+        return Runtime(exp.runtime, model, exp.load_tokenizer(), model.context, exp.source, ["CPUExecutionProvider"])
     return Runtime(exp.runtime, model, exp.load_tokenizer(), context_length(model.config), exp.source, providers)
 
 
