@@ -1,6 +1,7 @@
 # Two entry points: `make demo` (the main job on the embedded SmolLM2) and `make test`.
 # The demo: generated data -> prepare (split + bootstrap) -> two edges train -> the cloud aggregates
-# -> one edge exports its personalized model on the full backbone to ONNX int8 and answers a prompt with it
+# -> one edge exports its personalized model on the full backbone for ONNX Runtime GenAI (int8) and answers a prompt
+# with it
 # -> exact match before and after personalization, on each edge's own held-out data.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -49,10 +50,11 @@ demo: install
 		--state $(DEMO)/edge-strings --client-id strings --steps 60 --lr 2e-3 --codec int8 --out $(DEMO)/strings.pkt
 	# the cloud closes the round: round 1's bundle
 	$(BIN)/ciders-cloud aggregate --run $(DEMO)/run --packets $(DEMO)/dates.pkt --packets $(DEMO)/strings.pkt
-	# the dates edge deploys its personalized messenger on the full backbone (AdapFu): ONNX int8, streamed
+	# the dates edge deploys its personalized messenger on the full backbone (AdapFu): ONNX Runtime GenAI int8
+	# (the genai export runs in GenAI's own decode loop, the default runtime), streamed
 	$(BIN)/ciders-edge export --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000 --state $(DEMO)/edge-dates \
-		--format onnx --quantize int8 --out $(DEMO)/edge-dates-onnx
-	$(BIN)/ciders-edge infer --export $(DEMO)/edge-dates-onnx --runtime onnx --stream --max-new-tokens 24 \
+		--format genai --quantize int8 --out $(DEMO)/edge-dates-genai
+	$(BIN)/ciders-edge infer --export $(DEMO)/edge-dates-genai --stream --max-new-tokens 24 \
 		--prompt "Rewrite the date March 14, 2021 in ISO format (YYYY-MM-DD)."
 	# before and after: exact match on each edge's own held-out eval split
 	$(BIN)/ciders-edge evaluate --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000 --compare \

@@ -25,6 +25,7 @@ from ciders_edge.formats.export_folder import FORMAT as EXPORT_FORMAT
 from ciders_edge.formats.export_folder import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, resolve_backbone
 from export.check import all_logits, check_inputs, compare_logits
+from export.genai import save_genai
 from export.gguf import gguf_torch_model, plan_gguf, save_gguf
 from export.onnx import save_onnx
 
@@ -95,11 +96,13 @@ def export_model(
 
 
 def _save(edge, fmt: str, quantize: str, folder: Path) -> dict:
-    """The merged model as a transformers folder or ONNX; consumes ``edge``."""
+    """The merged model as a transformers folder, ONNX or an ONNX Runtime GenAI folder; consumes ``edge``."""
     model, tokenizer = merge_messenger(edge), edge.tokenizer
     if fmt == "hf":
         model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
+    elif fmt == "genai":
+        save_genai(model, tokenizer, folder, quantize)
     else:
         save_onnx(model, tokenizer, folder, quantize)
     return {}
@@ -108,10 +111,12 @@ def _save(edge, fmt: str, quantize: str, folder: Path) -> dict:
 def _check_args(fmt: str, quantize: str, out: Path, gguf_options: bool) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if fmt != "gguf" and quantize not in QUANTIZATIONS:
-        raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     if fmt == "hf" and quantize != "none":
-        raise ConfigError("--quantize applies to --format onnx and gguf only")
+        raise ConfigError("--quantize applies to --format onnx, genai and gguf only")
+    if fmt != "gguf" and quantize not in QUANTIZATIONS[fmt]:  # gguf's: export.gguf.plan_gguf
+        raise ConfigError(
+            f"--quantize for --format {fmt} must be one of {', '.join(QUANTIZATIONS[fmt])}, got {quantize!r}"
+        )
     if fmt != "gguf" and gguf_options:
         raise ConfigError("--merged and --base-gguf apply to --format gguf only")
     if out.exists() and not out.is_dir():

@@ -3,7 +3,7 @@
 Each runtime runs in its own process (so its peak memory is its own) on the same chat prompt,
 decoding the same number of tokens; the processes take turns, one generation each, and figures are
 medians over ``repeats`` turns after a warm-up, so the ratios are measured side by side.
-ONNX runtimes are exported first (or reused from ``exports``) with :func:`export_model`, the same
+ONNX and GenAI runtimes are exported first (or reused from ``exports``) with :func:`export_model`, the same
 code as ``ciders-edge export``. The training step is the real edge update (``train_round``) on
 synthetic full-length batches of the profile's shape.
 """
@@ -31,7 +31,15 @@ from export.api import Stage, export_model
 
 __all__ = ["BenchSettings", "bench", "RUNTIME_CHOICES"]
 
-RUNTIME_CHOICES = {"torch": None, "onnx": "none", "onnx-int8": "int8", "onnx-int8-dynamic": "int8-dynamic"}
+RUNTIME_CHOICES = {  # runtime name -> the export it runs (format, quantize); torch runs the bundle itself
+    "torch": None,
+    "onnx": ("onnx", "none"),
+    "onnx-int8": ("onnx", "int8"),
+    "onnx-int8-dynamic": ("onnx", "int8-dynamic"),
+    "genai": ("genai", "none"),
+    "genai-int8": ("genai", "int8"),
+    "genai-int4": ("genai", "int4"),
+}
 PROMPT = "Explain in a few sentences why a small language model can run on a phone."
 
 
@@ -55,7 +63,7 @@ class Subject:
 
 @dataclass
 class BenchSettings:
-    runtimes: tuple[str, ...] = ("torch", "onnx", "onnx-int8")
+    runtimes: tuple[str, ...] = ("torch", "onnx", "onnx-int8", "genai-int8")
     new_tokens: int = 64
     repeats: int = 3
     train_steps: int = 3  # timed training steps (after one warm-up step); 0 skips training
@@ -208,7 +216,7 @@ def _load_runtime(name, subject: Subject, export, prof: DeviceProfile, settings:
             base_model=subject.base_model,
         )
     else:  # the export was checked against bundle and state when it was made or reused
-        rt = open_runtime("onnx", export=export, profile=prof)
+        rt = open_runtime(None, export=export, profile=prof)
     load_s = time.perf_counter() - start
     gen = GenerationSettings(max_new_tokens=settings.new_tokens, min_new_tokens=settings.new_tokens)
     ids = encode_prompt(rt.tokenizer, [{"role": "user", "content": PROMPT}], rt.context, gen.max_new_tokens)
@@ -239,13 +247,14 @@ def _export_for(name: str, source: Source, subject: Subject, folder: Path, stage
             return folder
     except ExportError:
         pass
+    fmt, quantize = RUNTIME_CHOICES[name]
     with stage(f"exporting {name}"):
         export_model(
             subject.bundle,
             subject.state,
-            "onnx",
+            fmt,
             folder,
-            RUNTIME_CHOICES[name],
+            quantize,
             use_global=subject.use_global,
             backbone=subject.backbone,
             base_model=subject.base_model,

@@ -38,7 +38,9 @@ def check_inputs(tokenizer: PreTrainedTokenizerBase) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def all_logits(model, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Float32 logits (T, V) of every position of every input (torch or ONNX Runtime model)."""
+    """Float32 logits (T, V) of every position of every input (torch, ONNX Runtime or GenAI model)."""
+    if hasattr(model, "stream_tokens"):  # a TokenDecoder (GenAI): no transformers forward
+        return [model.logits(ids[0].tolist()) for ids in inputs]
     return [model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float() for ids in inputs]
 
 

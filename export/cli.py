@@ -21,11 +21,15 @@ def export_command(
     out: Annotated[Path, typer.Option(help="Export folder to write (replaced if it is an export).")],
     state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
     format: Annotated[
-        str, typer.Option("--format", help="hf (merged transformers folder), onnx or gguf (llama.cpp, ollama).")
+        str,
+        typer.Option("--format", help="hf (merged transformers folder), onnx, genai (ONNX Runtime GenAI) or gguf."),
     ] = "hf",
     quantize: Annotated[
         str,
-        typer.Option(help="onnx: none, int8 (weight-only, blockwise), int8-dynamic; gguf: f16, q8_0 (default), q4_0."),
+        typer.Option(
+            help="onnx: none, int8 (weight-only, blockwise), int8-dynamic; genai: none, int8, int4; "
+            "gguf: f16, q8_0 (default), q4_0."
+        ),
     ] = "none",
     use_global: Annotated[bool, typer.Option("--global", help="Export the bundle's global messenger.")] = False,
     merged: Annotated[
@@ -66,9 +70,10 @@ def _model_name(s: dict) -> str:
 def bench_command(
     bundle: Annotated[Path, typer.Option(help="Bundle folder.")],
     state: Annotated[Path | None, typer.Option(help="Client state (default: the bundle's global messenger).")] = None,
-    runtimes: Annotated[str, typer.Option(help="Comma-separated: torch, onnx, onnx-int8, onnx-int8-dynamic.")] = (
-        "torch,onnx,onnx-int8"
-    ),
+    runtimes: Annotated[
+        str,
+        typer.Option(help="Comma-separated: torch, onnx, onnx-int8, onnx-int8-dynamic, genai, genai-int8, genai-int4."),
+    ] = "torch,onnx,onnx-int8,genai-int8",
     profile: Annotated[str | None, typer.Option(help="Device profile (default: the bundle's).")] = None,
     new_tokens: Annotated[int, typer.Option(help="Tokens each generation decodes.")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed generations per runtime (median reported).")] = 3,

@@ -31,7 +31,9 @@ def infer(
     state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
     export: Annotated[Path | None, typer.Option(help="Export folder from `ciders-edge export`.")] = None,
     use_global: Annotated[bool, typer.Option("--global", help="Run the bundle's global messenger.")] = False,
-    runtime: Annotated[str | None, typer.Option(help="torch or onnx (default: the export's, else torch).")] = None,
+    runtime: Annotated[
+        str | None, typer.Option(help="torch, onnx or genai (default: the export's, else torch).")
+    ] = None,
     profile: Annotated[str | None, typer.Option(help="Device profile: dtype, device, ONNX providers.")] = None,
     backbone: BackboneOpt = None,
     base_model: BaseModelOpt = None,
@@ -42,7 +44,7 @@ def infer(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Answer a prompt (or a JSONL file) with the personalized model, in torch or ONNX Runtime."""
+    """Answer a prompt (or a JSONL file) with the personalized model, in torch, ONNX Runtime or ONNX Runtime GenAI."""
 
     def body() -> dict:
         if (prompt is None) == (input is None):

@@ -1,10 +1,11 @@
 """Exported model folders: a personalized model as plain Hugging Face files, ONNX or GGUF, with a manifest.
 
 The folder is what a user deploys: ``hf`` loads in plain ``AutoModelForCausalLM.from_pretrained``,
-``onnx`` in optimum's ``ORTModelForCausalLM``, ``gguf`` in llama.cpp and ollama (a LoRA adapter for a
-base GGUF the manifest names by sha256, or one merged GGUF: :meth:`Export.gguf_files`).
-``manifest.json`` records where the model came from (bundle, client, round) and the sha256 of every
-file; :meth:`Export.load` verifies them all.
+``onnx`` in optimum's ``ORTModelForCausalLM``, ``genai`` in ONNX Runtime GenAI (``og.Model``), whose
+own decode loop is the fast on-device runtime (:mod:`ciders_edge.inference.genai`), ``gguf`` in
+llama.cpp and ollama (a LoRA adapter for a base GGUF the manifest names by sha256, or one merged GGUF:
+:meth:`Export.gguf_files`). ``manifest.json`` records where the model came from (bundle, client,
+round) and the sha256 of every file; :meth:`Export.load` verifies them all.
 Writing lives in the ``export`` package; the edge runtime only reads.
 """
 
@@ -19,14 +20,20 @@ from ciders_edge.formats.atomic import recover_dir
 from ciders_edge.formats.bundle import producer_versions
 from ciders_edge.formats.checksums import hash_folder, sha256_file, verify_files
 
-__all__ = ["Export", "export_manifest", "FORMAT", "MANIFEST", "ONNX_FILE", "FORMATS", "QUANTIZATIONS"]
+__all__ = ["Export", "export_manifest", "FORMAT", "MANIFEST", "ONNX_FILE", "GENAI_CONFIG", "FORMATS", "QUANTIZATIONS"]
 
 FORMAT = "ciders-export"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
-FORMATS = ("hf", "onnx", "gguf")
-QUANTIZATIONS = ("none", "int8", "int8-dynamic")  # onnx; gguf has its own (export.gguf_tensors.GGUF_TYPES)
+GENAI_CONFIG = "genai_config.json"
+FORMATS = ("hf", "onnx", "genai", "gguf")
+QUANTIZATIONS = {
+    "hf": ("none",),
+    "onnx": ("none", "int8", "int8-dynamic"),
+    "genai": ("none", "int8", "int4"),
+    "gguf": ("none", "f16", "q8_0", "q4_0"),  # none: an adapter for an existing base GGUF
+}
 GGUF_KINDS = ("adapter", "merged")
 
 
@@ -66,12 +73,12 @@ class Export:
 
     @property
     def runtime(self) -> str:
-        """The runtime name ``bench`` and ``infer`` report: torch, onnx, onnx-int8, ..."""
+        """The runtime name ``bench`` and ``infer`` report: torch, onnx, onnx-int8, genai-int8, ..."""
         if self.format == "hf":
             return "torch"
         if self.format == "gguf":
-            return "llamacpp"
-        return "onnx" if self.quantize == "none" else f"onnx-{self.quantize}"
+            return "llamacpp" if self.quantize == "none" else f"llamacpp-{self.quantize}"
+        return self.format if self.quantize == "none" else f"{self.format}-{self.quantize}"
 
     @classmethod
     def load(cls, path: str | Path) -> Export:
@@ -91,6 +98,8 @@ class Export:
         missing = [k for k in ("model_format", "quantize", "source", "files") if k not in m]
         if missing or m["model_format"] not in FORMATS:
             raise ExportError(f"{mpath}: manifest lacks {missing or ['a known model_format']}")
+        if m["quantize"] not in QUANTIZATIONS[m["model_format"]]:
+            raise ExportError(f"{mpath}: unknown quantize {m['quantize']!r} for a {m['model_format']} export")
         if m["model_format"] == "gguf" and (
             not isinstance(m.get("gguf"), dict) or m["gguf"].get("kind") not in GGUF_KINDS
         ):
@@ -116,9 +125,14 @@ class Export:
         return base, self.path / g["adapter"]
 
     def load_model(self, providers: list[str] | None = None):
-        """The exported model, ready for ``generate``: transformers (hf) or ONNX Runtime (onnx)."""
+        """The exported model, ready for ``generate``: transformers (hf), ONNX Runtime (onnx) or a
+        :class:`~ciders_edge.inference.generation.TokenDecoder` (genai)."""
         if self.format == "gguf":
             raise ExportError(f"{self.path}: a gguf export runs in llama.cpp (--runtime llamacpp)")
+        if self.format == "genai":
+            from ciders_edge.inference.genai import GenAIDecoder
+
+            return GenAIDecoder.open(self.path, self.manifest["files"])
         if self.format == "hf":
             from transformers import AutoModelForCausalLM
 

@@ -1,10 +1,10 @@
 """Open the personalized model in the runtime a device uses: torch, ONNX Runtime or llama.cpp.
 
-torch and ONNX Runtime yield a model with transformers' ``generate``; llama.cpp (a gguf export) a
-:class:`~ciders_edge.inference.generation.TokenDecoder` with its own loop. ``generate`` drives both
-kinds, so ``infer``, ``evaluate`` and ``bench`` are one code path. The torch runtime merges the
-messenger LoRA first: decoding then runs dense layers, no PEFT. On a GPU it decodes through a
-static KV cache and CUDA graphs (:mod:`.compiled_decode`).
+torch and onnx yield a model with transformers' ``generate``; genai (ONNX Runtime GenAI, the fast
+default for a ``genai`` export) and llamacpp (a ``gguf`` export) a :class:`~.generation.TokenDecoder`
+with its own decode loop; the ``generate`` functions take either, so ``infer``, ``evaluate`` and
+``bench`` are one code path. The torch runtime merges the messenger LoRA first: decoding then runs
+dense layers, no PEFT. On a GPU it decodes through a static KV cache and CUDA graphs (:mod:`.compiled_decode`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from ciders_edge.progress import console
 
 __all__ = ["Runtime", "open_runtime", "RUNTIMES"]
 
-RUNTIMES = ("torch", "onnx", "llamacpp")
-EXPORT_RUNTIMES = {"hf": "torch", "onnx": "onnx", "gguf": "llamacpp"}  # what runs each export format
+RUNTIMES = ("torch", "onnx", "genai", "llamacpp")
+EXPORT_RUNTIME = {"hf": "torch", "onnx": "onnx", "genai": "genai", "gguf": "llamacpp"}  # what runs each format
 
 
 @dataclass
 class Runtime:
     name: str  # torch, onnx, onnx-int8, ...
-    model: object  # anything with transformers' ``generate``
+    model: object  # anything with transformers' ``generate``, or a TokenDecoder
     tokenizer: PreTrainedTokenizerBase
     context: int
     source: dict  # bundle, messenger (personalized/global), client, round
@@ -63,7 +63,8 @@ def open_runtime(
     base_model: str | Path | None = None,
     decode: str = "auto",
 ) -> Runtime:
-    """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export (``None``: the export's).
+    """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export; genai from a
+    ``genai`` export (``None``: the export's own runtime).
 
     ``backbone`` (torch from a bundle): ``emu`` or ``full`` (AdapFu); default, what the bundle deploys.
     With an export *and* a bundle, the export must have been made from that bundle and state.
@@ -71,14 +72,14 @@ def open_runtime(
     """
     exp = Export.load(export) if export is not None else None
     if runtime is None:  # the export's own runtime, else torch
-        runtime = EXPORT_RUNTIMES[exp.format] if exp is not None else "torch"
+        runtime = EXPORT_RUNTIME[exp.format] if exp is not None else "torch"
     if runtime not in RUNTIMES:
         raise ConfigError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if decode not in DECODE_MODES:
         raise ConfigError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
     if exp is None:
         if runtime != "torch":
-            fmt = next(f for f, r in EXPORT_RUNTIMES.items() if r == runtime)
+            fmt = next(f for f, r in EXPORT_RUNTIME.items() if r == runtime)
             raise ConfigError(
                 f"--runtime {runtime} runs an export: make one with `ciders-edge export --format {fmt}`, "
                 "pass it as --export"
@@ -89,8 +90,8 @@ def open_runtime(
         rt = _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model)
         _set_decode(rt.model, profile, decode)
         return rt
-    if EXPORT_RUNTIMES[exp.format] != runtime:
-        raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {EXPORT_RUNTIMES[exp.format]}")
+    if EXPORT_RUNTIME[exp.format] != runtime:
+        raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {EXPORT_RUNTIME[exp.format]}")
     if bundle is not None:
         b = Bundle.load(bundle)
         _check_export_source(exp, b, state, use_global, exp.source.get("backbone", "emu"))
@@ -101,6 +102,8 @@ def open_runtime(
     if runtime == "torch":
         model.to(pick_device(profile))
         _set_decode(model, profile, decode)
+    if runtime == "genai":
+        return Runtime(exp.runtime, model, exp.load_tokenizer(), model.context, exp.source, ["CPUExecutionProvider"])
     return Runtime(exp.runtime, model, exp.load_tokenizer(), context_length(model.config), exp.source, providers)
 
 

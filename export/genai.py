@@ -1,0 +1,123 @@
+"""ONNX Runtime GenAI export: onnxruntime-genai's model builder on the merged model.
+
+The builder writes a Llama graph made for decoding on a CPU (fused QKV projections, rotary and
+RMSNorm kernels, ``GroupQueryAttention`` over a KV cache the runtime preallocates and updates in
+place) plus ``genai_config.json``; the runtime (:mod:`ciders_edge.inference.genai`) runs its own C++
+decode loop over it. Weights are ``MatMulNBits`` blocks of 16 with zero points and int8 compute
+(``accuracy_level`` 4), as in :mod:`export.quantize`; the embedding is
+quantized too with ``int4`` and shared with the tied LM head (``GatherBlockQuantized``, which the
+builder has for 4 bits only); with ``int8`` the LM head is int8 and the embedding stays a float
+table (a Gather: memory, not compute).
+
+The builder (0.18) imports names of transformers 5 and reads its config layout; under this project's
+transformers 4.x it runs in a child process (``python -m export.genai``) that supplies both
+(:func:`_transformers_compat`), so the exporting process is left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ciders_edge.errors import ExportError
+from ciders_edge.formats.export_folder import GENAI_CONFIG
+
+__all__ = ["save_genai", "GENAI_QUANTIZATIONS"]
+
+GENAI_QUANTIZATIONS = {"none": "fp32", "int8": "int8", "int4": "int4"}
+BLOCK_SIZE = 16
+SOURCE = ".hf-source"  # the merged model the builder reads, removed once it has written the graph
+
+
+def save_genai(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path, quantize: str) -> None:
+    """Export ``model`` into ``folder`` as ``model.onnx`` (+ ``model.onnx.data``), ``genai_config.json``
+    and the tokenizer."""
+    src, cache = folder / SOURCE, folder / ".builder-cache"
+    model.save_pretrained(src, safe_serialization=True)
+    tokenizer.save_pretrained(src)
+    try:
+        _run_builder(src, folder, cache, quantize, tied=bool(model.config.tie_word_embeddings))
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+    tokenizer.save_pretrained(folder)  # the tokenizer ciders-edge encodes with (the builder copies its own)
+    _set_stop_tokens(folder / GENAI_CONFIG, tokenizer, model)
+
+
+def builder_options(quantize: str, tied: bool) -> list[str]:
+    """The builder's ``--extra_options`` for ``quantize``."""
+    if quantize == "none":
+        return []
+    opts = [f"block_size={BLOCK_SIZE}", "is_symmetric=false", "accuracy_level=4"]
+    if tied and quantize == "int4":  # one 4-bit table serves the embedding (Gather) and the LM head (MatMul)
+        opts += ["op_types_to_quantize=MatMul/Gather", "shared_embeddings=true"]
+    return opts
+
+
+def _run_builder(src: Path, out: Path, cache: Path, quantize: str, tied: bool) -> None:
+    args = [sys.executable, "-m", "export.genai", str(src), str(out), GENAI_QUANTIZATIONS[quantize], str(cache)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [*args, *builder_options(quantize, tied)], capture_output=True, text=True, env=env, check=False
+    )
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stderr or proc.stdout).strip().splitlines() if line.strip()]
+        raise ExportError(f"onnxruntime-genai's model builder failed: {lines[-1] if lines else proc.returncode}")
+
+
+def _set_stop_tokens(path: Path, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> None:
+    """Stop where ``generate`` stops: the tokenizer's end of turn and the model's eos ids."""
+    cfg = json.loads(path.read_text())
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
+    cfg["model"]["eos_token_id"] = sorted({int(i) for i in ids if i is not None})
+    if tokenizer.pad_token_id is not None:
+        cfg["model"]["pad_token_id"] = int(tokenizer.pad_token_id)
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def _transformers_compat() -> None:
+    """What builder 0.18 expects of transformers 5: two model classes it imports (Qwen 3.5, unused
+    for Llama) and ``config.rope_parameters`` instead of a ``rope_scaling`` of None."""
+    import transformers  # noqa: F401  (loads the lazy module the next import replaces)
+    from transformers import (  # noqa: F401  (these lazy imports swap sys.modules["transformers"])
+        Gemma3ForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    module = sys.modules["transformers"]
+    for name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        if name not in module.__dict__:
+            setattr(module, name, type(name, (), {}))
+    from transformers import AutoConfig
+
+    load = AutoConfig.from_pretrained
+
+    def from_pretrained(*args, **kwargs):
+        config = load(*args, **kwargs)
+        if getattr(config, "rope_scaling", 0) is None:
+            del config.rope_scaling
+            config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta}
+        return config
+
+    AutoConfig.from_pretrained = from_pretrained
+
+
+def _main(src: str, out: str, precision: str, cache: str, *options: str) -> None:
+    _transformers_compat()
+    import onnxruntime_genai.models  # noqa: F401  (puts the builder's own folder on sys.path)
+    from builder import create_model, parse_extra_options
+
+    extra = parse_extra_options(None, src, out, precision, "cpu", cache, list(options))
+    create_model(None, src, out, precision, "cpu", cache, **extra)
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])

@@ -1,0 +1,161 @@
+"""The genai export and runtime (ONNX Runtime GenAI's own decode loop) on `tiny`: the same greedy tokens
+as torch, stopping at the end of turn, min_new_tokens, seeded sampling, and bad input as one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ciders_edge.cli import app as edge_app
+from ciders_edge.errors import ConfigError, ExportError
+from ciders_edge.formats.export_folder import GENAI_CONFIG, MANIFEST, ONNX_FILE, Export
+from ciders_edge.inference.genai import GenAIDecoder
+from ciders_edge.inference.generation import GenerationSettings, TokenDecoder, encode_prompt, generate
+from ciders_edge.inference.runtime import open_runtime
+from ciders_edge.training.train import train
+from export import export_model
+
+pytest.importorskip("onnxruntime_genai", reason="the genai runtime needs onnxruntime-genai")
+
+runner = CliRunner()
+PROMPT = [{"role": "user", "content": "Rewrite the date March 14, 2021 in ISO format"}]
+FIXED = GenerationSettings(max_new_tokens=12, min_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_run, demo_dir, tmp_path_factory):
+    bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
+    root = tmp_path_factory.mktemp("edge-genai")
+    train(
+        bundle,
+        demo_dir / "units" / "train.jsonl",
+        root / "state",
+        root / "p.pkt",
+        client_id="g1",
+        overrides={"local_steps": 3},
+    )
+    return bundle, root / "state"
+
+
+@pytest.fixture(scope="module")
+def genai(trained, tmp_path_factory):
+    bundle, state = trained
+    root = tmp_path_factory.mktemp("genai-exports")
+    return {q: export_model(bundle, state, "genai", root / q, q, backbone="emu") for q in ("none", "int8")}
+
+
+@pytest.fixture(scope="module")
+def torch_rt(trained):
+    bundle, state = trained
+    return open_runtime("torch", bundle=bundle, state=state, backbone="emu")
+
+
+def _tokens(rt, settings: GenerationSettings) -> list[int]:
+    ids = encode_prompt(rt.tokenizer, PROMPT, rt.context, settings.max_new_tokens)
+    if isinstance(rt.model, TokenDecoder):
+        return list(rt.model.stream_tokens(ids[0].tolist(), settings))
+    out = rt.model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), pad_token_id=rt.tokenizer.pad_token_id, do_sample=False,
+        max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens,
+    )  # fmt: skip
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_fp32_greedy_tokens_equal_torch(genai, torch_rt):
+    rt = open_runtime(None, export=genai["none"]["out"])  # a genai export runs in genai by default
+    assert rt.name == "genai" and isinstance(rt.model, GenAIDecoder)
+    assert _tokens(rt, FIXED) == _tokens(torch_rt, FIXED)
+    g = generate(rt.model, rt.tokenizer, encode_prompt(rt.tokenizer, PROMPT, rt.context, 12), FIXED)
+    assert g.new_tokens == 12 and g.text == torch_rt.tokenizer.decode(
+        _tokens(torch_rt, FIXED), skip_special_tokens=True
+    )
+    assert genai["none"]["check"]["max_abs_logit_diff"] < 1e-3
+
+
+def test_int8_quantizes_every_linear_and_agrees(genai, torch_rt):
+    import onnx
+
+    exp = Export.load(genai["int8"]["out"])
+    assert exp.runtime == "genai-int8"
+    nodes = onnx.load(exp.path / ONNX_FILE, load_external_data=False).graph.node
+    ops = [n.op_type for n in nodes]
+    assert "MatMul" not in ops and "GroupQueryAttention" in ops
+    assert any(n.op_type == "MatMulNBits" and n.name.startswith("/lm_head/") for n in nodes)
+    # teacher-forced on the check chats, against the unmerged AdapEmu (documented: >= 95% on SmolLM2)
+    assert genai["int8"]["check"]["greedy_agreement"] >= 0.9
+    rt = open_runtime("genai", export=exp.path)
+    ours, ref = _tokens(rt, FIXED), _tokens(torch_rt, FIXED)
+    assert sum(a == b for a, b in zip(ours, ref, strict=True)) >= 6
+
+
+def test_stops_at_the_end_of_turn_and_honours_min_new_tokens(genai, tmp_path):
+    """The export stops where the tokenizer ends a turn; a copy whose config names the last distinct
+    greedy token as end of turn stops right after it, unless min_new_tokens asks for more."""
+    src = genai["none"]["out"]
+    exp = Export.load(src)
+    cfg = json.loads((exp.path / GENAI_CONFIG).read_text())
+    assert exp.load_tokenizer().eos_token_id in cfg["model"]["eos_token_id"]
+    free = GenerationSettings(max_new_tokens=12)
+    tokens = list(GenAIDecoder.open(exp.path, exp.manifest["files"]).stream_tokens(_prompt_ids(exp), free))
+    k = max(i for i, t in enumerate(tokens) if t not in tokens[:i])  # its first occurrence
+    stop = tokens[k]
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    cfg["model"]["eos_token_id"] = [stop]
+    (copy / GENAI_CONFIG).write_text(json.dumps(cfg))
+    decoder = GenAIDecoder.open(copy, exp.manifest["files"])
+    assert list(decoder.stream_tokens(_prompt_ids(exp), free)) == tokens[: k + 1]  # the end of turn is yielded
+    longer = list(decoder.stream_tokens(_prompt_ids(exp), free.replace(min_new_tokens=k + 3)))
+    assert len(longer) >= k + 3 and stop not in longer[: k + 2]
+
+
+def test_seeded_sampling_is_reproducible(genai):
+    rt = open_runtime(None, export=genai["none"]["out"])
+    sample = GenerationSettings(max_new_tokens=12, min_new_tokens=12, temperature=1.0, top_p=0.95, seed=1)
+    first, again = _tokens(rt, sample), _tokens(rt, sample)
+    other = _tokens(rt, sample.replace(seed=2))
+    assert first == again and first != other
+    assert first != _tokens(rt, FIXED)  # it did sample
+
+
+def test_bad_genai_input_is_refused(genai, trained, tmp_path):
+    src = genai["int8"]["out"]
+    with pytest.raises(ExportError, match="not an export folder"):
+        open_runtime("genai", export=tmp_path)
+    with pytest.raises(ConfigError, match="a genai export runs with --runtime genai"):
+        open_runtime("onnx", export=src)
+    with pytest.raises(ConfigError, match="runs an export"):
+        open_runtime("genai", bundle=trained[0], use_global=True)
+    with pytest.raises(ConfigError, match="--quantize for --format genai"):
+        export_model(trained[0], trained[1], "genai", tmp_path / "x", "int8-dynamic")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    with open(bad / f"{ONNX_FILE}.data", "r+b") as f:
+        f.seek(1000)
+        f.write(b"\0" * 64)
+    with pytest.raises(ExportError, match=f"{ONNX_FILE}.data: checksum mismatch"):
+        open_runtime(None, export=bad)
+    manifest = json.loads((bad / MANIFEST).read_text())
+    manifest["quantize"] = "int8-dynamic"
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match="unknown quantize 'int8-dynamic' for a genai export"):
+        Export.load(bad)
+
+
+def test_cli_infer_runs_a_genai_export_as_one_line_on_damage(genai, tmp_path):
+    out = genai["int8"]["out"]
+    res = runner.invoke(edge_app, ["infer", "--export", str(out), "--prompt", "hi", "--max-new-tokens", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output.strip().splitlines()[-1])["runtime"] == "genai-int8"
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    (bad / GENAI_CONFIG).write_text("{}")
+    res = runner.invoke(edge_app, ["infer", "--export", str(bad), "--prompt", "hi"])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert f"{GENAI_CONFIG}: checksum mismatch" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def _prompt_ids(exp: Export) -> list[int]:
+    return encode_prompt(exp.load_tokenizer(), PROMPT, 1024, 12)[0].tolist()
