@@ -31,14 +31,17 @@ from export.api import Stage, export_model
 
 __all__ = ["BenchSettings", "bench", "RUNTIME_CHOICES"]
 
-RUNTIME_CHOICES = {  # runtime name -> the export it runs (format, quantize); torch runs the bundle itself
+RUNTIME_CHOICES = {  # runtime name -> the export it runs (format, quantize, merged); torch runs the bundle itself
     "torch": None,
-    "onnx": ("onnx", "none"),
-    "onnx-int8": ("onnx", "int8"),
-    "onnx-int8-dynamic": ("onnx", "int8-dynamic"),
-    "genai": ("genai", "none"),
-    "genai-int8": ("genai", "int8"),
-    "genai-int4": ("genai", "int4"),
+    "onnx": ("onnx", "none", False),
+    "onnx-int8": ("onnx", "int8", False),
+    "onnx-int8-dynamic": ("onnx", "int8-dynamic", False),
+    "genai": ("genai", "none", False),
+    "genai-int8": ("genai", "int8", False),
+    "genai-int4": ("genai", "int4", False),
+    "llamacpp-lora": ("gguf", "none", False),  # the base GGUF + the messenger's LoRA adapter (AdapFu)
+    "llamacpp-q8_0": ("gguf", "q8_0", True),
+    "llamacpp-q4_0": ("gguf", "q4_0", True),
 }
 PROMPT = "Explain in a few sentences why a small language model can run on a phone."
 
@@ -247,7 +250,7 @@ def _export_for(name: str, source: Source, subject: Subject, folder: Path, stage
             return folder
     except ExportError:
         pass
-    fmt, quantize = RUNTIME_CHOICES[name]
+    fmt, quantize, merged = RUNTIME_CHOICES[name]
     with stage(f"exporting {name}"):
         export_model(
             subject.bundle,
@@ -258,6 +261,7 @@ def _export_for(name: str, source: Source, subject: Subject, folder: Path, stage
             use_global=subject.use_global,
             backbone=subject.backbone,
             base_model=subject.base_model,
+            merged=merged,
         )
     return folder
 

@@ -72,7 +72,10 @@ def bench_command(
     state: Annotated[Path | None, typer.Option(help="Client state (default: the bundle's global messenger).")] = None,
     runtimes: Annotated[
         str,
-        typer.Option(help="Comma-separated: torch, onnx, onnx-int8, onnx-int8-dynamic, genai, genai-int8, genai-int4."),
+        typer.Option(
+            help="Comma-separated: torch, onnx, onnx-int8, onnx-int8-dynamic, genai, genai-int8, genai-int4, "
+            "llamacpp-lora (base GGUF + adapter), llamacpp-q8_0, llamacpp-q4_0 (merged GGUF)."
+        ),
     ] = "torch,onnx,onnx-int8,genai-int8",
     profile: Annotated[str | None, typer.Option(help="Device profile (default: the bundle's).")] = None,
     new_tokens: Annotated[int, typer.Option(help="Tokens each generation decodes.")] = 64,

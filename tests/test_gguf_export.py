@@ -308,9 +308,9 @@ def test_infer_runs_a_gguf_export_in_llama_cpp_and_answers_as_torch(llama_cpp, e
     """A gguf export runs in llama.cpp when the user names no runtime; base + adapter (f16) answers
     what the HF export answers in torch, token for token, through the same chat template."""
     torch_run = _infer("--export", exports["hf"]["out"], "--max-new-tokens", "12")
-    for name in ("adapter", "f16"):
+    for name, runtime in (("adapter", "llamacpp-lora"), ("f16", "llamacpp-f16")):
         run = _infer("--export", exports[name]["out"], "--max-new-tokens", "12")
-        assert run["runtime"] == "llamacpp" and run["source"] == torch_run["source"], name
+        assert run["runtime"] == runtime and run["source"] == torch_run["source"], name
         assert run["prompt_tokens"] == torch_run["prompt_tokens"] and run["text"] == torch_run["text"], name
     fixed = _infer("--export", exports["q8_0"]["out"], "--max-new-tokens", "9", "--runtime", "llamacpp")
     assert fixed["new_tokens"] <= 9
@@ -323,3 +323,20 @@ def test_llama_cpp_runtime_without_a_gguf_export_is_one_line(trained, exports):
     assert r.exit_code == 1 and "make one with `ciders-edge export --format gguf`" in r.stderr, r.output
     r = runner.invoke(edge_app, ["infer", "--export", exports["hf"]["out"], "--runtime", "llamacpp", "--prompt", "hi"])
     assert r.exit_code == 1 and "a hf export runs with --runtime torch" in r.stderr and "Traceback" not in r.output
+
+
+def test_bench_puts_llama_cpp_beside_torch(llama_cpp, trained, tmp_path):
+    """`bench` exports the adapter and the merged q8_0 GGUF and measures them in the same turns as torch."""
+    bundle, state = trained
+    args = ["bench", "--bundle", bundle, "--state", state, "--backbone", "full", "--new-tokens", "4", "--repeats", "1",
+            "--runtimes", "torch,llamacpp-lora,llamacpp-q8_0", "--train-steps", "0", "--exports", tmp_path,
+            "--json"]  # fmt: skip
+    r = runner.invoke(edge_app, list(map(str, args)))
+    assert r.exit_code == 0, r.output
+    rows = {row["runtime"]: row for row in json.loads(r.stdout.strip().splitlines()[-1])["runtimes"]}
+    assert list(rows) == ["torch", "llamacpp-lora", "llamacpp-q8_0"]
+    assert Export.load(tmp_path / "llamacpp-lora").manifest["gguf"]["kind"] == "adapter"
+    assert Export.load(tmp_path / "llamacpp-q8_0").manifest["gguf"]["kind"] == "merged"
+    for row in rows.values():
+        assert row["decode_tokens_per_s"] > 0 and row["peak_rss_mib"] > 0
+    assert rows["llamacpp-q8_0"]["check"]["greedy_agreement"] >= 0.9

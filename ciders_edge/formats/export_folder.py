@@ -76,8 +76,8 @@ class Export:
         """The runtime name ``bench`` and ``infer`` report: torch, onnx, onnx-int8, genai-int8, ..."""
         if self.format == "hf":
             return "torch"
-        if self.format == "gguf":
-            return "llamacpp" if self.quantize == "none" else f"llamacpp-{self.quantize}"
+        if self.format == "gguf":  # the adapter on its base GGUF, or a merged model at its precision
+            return "llamacpp-lora" if self.manifest["gguf"]["kind"] == "adapter" else f"llamacpp-{self.quantize}"
         return self.format if self.quantize == "none" else f"{self.format}-{self.quantize}"
 
     @classmethod
