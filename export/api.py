@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ciders_edge.errors import ConfigError, ExportError
-from ciders_edge.formats.atomic import fsync_tree, replace_dir, staging_dir, write_json
+from ciders_edge.formats.atomic import fsync_tree, named_errors, replace_dir, staging_dir, write_json
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.export_folder import FORMAT as EXPORT_FORMAT
 from ciders_edge.formats.export_folder import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
@@ -56,9 +56,10 @@ def export_model(
         reference = all_logits(edge.model, inputs)  # the unmerged model, LoRA live
         model, tokenizer = merge_messenger(edge), edge.tokenizer
         del edge  # the merged model is all that is left of it
-    staging = staging_dir(out)
+    with named_errors(out):
+        staging = staging_dir(out)
     try:
-        with stage(f"writing the {fmt} model" + (f" ({quantize})" if quantize != "none" else "")):
+        with named_errors(out), stage(f"writing the {fmt} model" + (f" ({quantize})" if quantize != "none" else "")):
             if fmt == "hf":
                 model.save_pretrained(staging, safe_serialization=True)
                 tokenizer.save_pretrained(staging)
@@ -69,9 +70,10 @@ def export_model(
         with stage(f"checking the export against the unmerged {'AdapFu' if backbone == 'full' else 'AdapEmu'}"):
             check = compare_logits(inputs, reference, all_logits(Export(staging, manifest).load_model(), inputs))
         manifest["check"] = check
-        write_json(staging / MANIFEST, manifest)
-        fsync_tree(staging)
-        replace_dir(staging, out)
+        with named_errors(out):
+            write_json(staging / MANIFEST, manifest)
+            fsync_tree(staging)
+            replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
