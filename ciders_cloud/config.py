@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ciders_cloud.strategies import STRATEGIES, get_strategy
-from ciders_edge.config import ConfigMixin, RoundHyperparams, check_value
+from ciders_edge.config import ConfigMixin, RoundHyperparams, check_limit, check_value
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.packet import CODECS
 from ciders_edge.formats.storage import STORAGES
@@ -64,11 +64,9 @@ class TakdConfig(ConfigMixin):
     holdout: int = 40  # public records never distilled on: the emulator's fidelity is measured on them
 
     def __post_init__(self) -> None:
-        if min(self.lr, self.layer_lr, self.align_lr) <= 0 or self.batch_size <= 0 or self.seq_len <= 0:
-            raise ConfigError(
-                "TAKD learning rates, `batch_size` and `seq_len` must be positive, "
-                f"got {self.lr}, {self.layer_lr}, {self.align_lr}, {self.batch_size}, {self.seq_len}."
-            )
+        super().__post_init__()
+        if min(self.lr, self.layer_lr, self.align_lr) <= 0:
+            raise ConfigError(f"TAKD learning rates must be positive, got {self.lr}, {self.layer_lr}, {self.align_lr}.")
         if min(self.lambda_hidden, self.lambda_out, self.lambda_task) < 0:
             raise ConfigError(
                 "TAKD loss weights must not be negative, "
@@ -82,8 +80,6 @@ class TakdConfig(ConfigMixin):
             raise ConfigError(
                 f"TAKD `align_params` must be one of {', '.join(ALIGN_PARAMS)}, got {self.align_params!r}"
             )
-        if self.holdout < 0:
-            raise ConfigError(f"TAKD `holdout` must not be negative, got {self.holdout}.")
 
 
 @dataclass
@@ -133,14 +129,9 @@ class RunConfig(ConfigMixin):
             raise ConfigError(str(err).replace("`client_ids`", "`clients`")) from None
 
     def __post_init__(self) -> None:
-        if self.messenger_depth < 1:
-            raise ConfigError(f"`messenger_depth` must be at least 1, got {self.messenger_depth}.")
+        super().__post_init__()
         if not 0.0 <= self.drop_ratio < 1.0:
             raise ConfigError(f"`drop_ratio` must be in [0, 1), got {self.drop_ratio}.")
-        if self.align_steps < 0 or self.layer_steps < 0:
-            raise ConfigError(
-                f"`align_steps` and `layer_steps` must not be negative, got {self.align_steps}, {self.layer_steps}."
-            )
         if not self.profiles:
             raise ConfigError("at least one device profile is needed.")
         if self.gamma_schedule not in GAMMA_SCHEDULES:
@@ -232,10 +223,12 @@ def parse_profile_mix(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, count = item.rpartition(":")
-        if not (sep and name and count.isdigit() and int(count) > 0) or name in out:
+        digits = count.isascii() and count.isdigit() and len(count) < 19  # no '²', no 5,000-digit count
+        if not (sep and name and digits and int(count) > 0) or name in out:
             raise ConfigError(
                 f"--profile-mix takes PROFILE:COUNT,... with each profile once and counts >= 1, got {item!r}"
             )
+        check_limit("clients", int(count), f"--profile-mix {name}'s count")
         out[name] = int(count)
     return out
 
@@ -280,10 +273,9 @@ class SimConfig(ConfigMixin):
     takd: dict = field(default_factory=dict)  # TakdConfig overrides
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.data:
             raise ConfigError("simulate needs at least one --data file")
-        if self.clients < 1 or self.rounds < 1 or self.local_steps < 1:
-            raise ConfigError("`clients`, `rounds` and `local_steps` must be positive")
         if not 0.0 < self.participation <= 1.0:
             raise ConfigError(f"`participation` must be in (0, 1], got {self.participation}")
         if not 0.0 < self.holdout < 1.0:

@@ -9,13 +9,13 @@ presets are found by name.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
 from ciders_cloud.config import RunConfig
 from ciders_cloud.study.simulate import SimConfig
+from ciders_edge.config import read_toml
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.lora import LoraSettings
 
@@ -52,11 +52,7 @@ def config_path(name_or_path: str) -> Path:
 
 def load_toml_config(name_or_path: str) -> dict:
     """The file's keys as written, unchecked."""
-    path = config_path(name_or_path)
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: invalid TOML ({err})") from None
+    return read_toml(config_path(name_or_path))
 
 
 def load_config(name_or_path: str, command: str) -> dict:

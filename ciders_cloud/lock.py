@@ -7,15 +7,17 @@ killed one (interrupted swaps, staging folders).
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ciders_cloud.run_folder import RunFolder
-from ciders_edge.errors import StateError
+from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.lock import folder_lock
 
-__all__ = ["run_lock"]
+__all__ = ["run_lock", "claim_new_run"]
 
 
 @contextmanager
@@ -26,3 +28,39 @@ def run_lock(run_dir: str | Path, command: str) -> Iterator[None]:
         raise StateError(f"{path.parent}: not a run folder; create one with `ciders-cloud prepare`")
     with folder_lock(path.parent, command):
         yield
+
+
+@contextmanager
+def claim_new_run(out: Path) -> Iterator[None]:
+    """Claim ``out`` for one ``prepare``: made (an empty folder) if missing, and ``flock``-ed for the
+    block, so a second ``prepare --out`` of the same folder is refused at once, not after its
+    bootstrap (it used to fail at the end with ``OSError [Errno 39]``). A claim this call made is
+    removed again if the block fails; a killed prepare leaves an empty folder the next one takes."""
+    created = _make_dir(out)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            busy = f"{out} is being written by another prepare; wait for it or choose another --out"
+            raise StateError(busy) from None
+        if os.stat(out).st_ino != os.fstat(fd).st_ino or any(out.iterdir()):  # the other one finished meanwhile
+            raise ConfigError(f"{out}: already exists and is not empty; choose a new --out")
+        try:
+            yield
+        except BaseException:
+            if created and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            raise
+    finally:
+        os.close(fd)
+
+
+def _make_dir(out: Path) -> bool:
+    """Make ``out`` (and its parents); whether this call made it (False: it was there)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir()
+    except FileExistsError:
+        return False
+    return True

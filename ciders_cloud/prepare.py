@@ -17,6 +17,7 @@ from ciders_cloud.bundles import deployments, write_bundles
 from ciders_cloud.config import RunConfig
 from ciders_cloud.device import CPU, cloud_device
 from ciders_cloud.fidelity import Fidelity, measure_fidelity
+from ciders_cloud.lock import claim_new_run
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.takd import TERMS, Distiller, public_split
@@ -53,8 +54,14 @@ def prepare(run: RunConfig, out: str | Path, device: str | torch.device = "cpu")
     """
     device = cloud_device(device)
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: already exists and is not empty; choose a new --out")
+    with claim_new_run(out):
+        return _prepare(run, out, device)
+
+
+def _prepare(run: RunConfig, out: Path, device: torch.device) -> dict:
+    """:func:`prepare`'s work, with ``out`` claimed: an empty folder no other prepare writes."""
     profiles = [load_profile(p) for p in run.profiles]
     run = run.replace(model_path=str(resolve_model(run.model)))
     deploy = deployments(run, profiles)
@@ -88,8 +95,7 @@ def prepare(run: RunConfig, out: str | Path, device: str | torch.device = "cpu")
         state.save(folder.server_state)
         append_jsonl(folder.distill_log, records)
         bundles = write_bundles(staging, run, backbones, state, profiles, fidelities)
-        if out.exists():
-            out.rmdir()
+        out.rmdir()  # the claim: empty, and no other prepare can have written it
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -2,22 +2,42 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.cells import cell_len
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from ciders_edge.errors import CidersError
 from ciders_edge.progress import console
 
-__all__ = ["run_command", "quiet_libraries", "key_table", "print_table", "JsonOpt", "BackboneOpt", "BaseModelOpt"]
+__all__ = [
+    "run_command",
+    "file_error",
+    "FILE_ERRNOS",
+    "quiet_libraries",
+    "key_table",
+    "print_table",
+    "JsonOpt",
+    "BackboneOpt",
+    "BaseModelOpt",
+]
+
+FILE_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ENOSPC", "EDQUOT", "EFBIG", "EROFS", "ENOENT", "EEXIST", "ENOTDIR", "EISDIR", "EACCES", "EPERM")
+    + ("ENAMETOOLONG", "ENOTEMPTY", "ETXTBSY", "EMLINK")
+    if hasattr(errno, name)
+)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable summary as the last line.")]
 BackboneOpt = Annotated[
@@ -41,7 +61,9 @@ def quiet_libraries() -> None:
 
 
 def run_command(fn: Callable[[], dict[str, Any]], as_json: bool, render: Callable[[dict], None] | None = None) -> None:
-    """Run a command body; a :class:`CidersError` becomes one line on stderr and exit code 1.
+    """Run a command body; a :class:`CidersError` becomes one line on stderr and exit code 1, and so
+    does an OSError of the file system the user chose (a full disk, a read-only mount, a missing
+    folder, a file where a folder should be: :data:`FILE_ERRNOS`), named by :func:`file_error`.
 
     With ``as_json`` the summary is printed as the last line of stdout, else ``render`` shows it.
     """
@@ -51,6 +73,11 @@ def run_command(fn: Callable[[], dict[str, Any]], as_json: bool, render: Callabl
     except CidersError as err:
         console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
+    except OSError as err:
+        if err.errno not in FILE_ERRNOS:
+            raise
+        console.print(f"[red]error:[/] {escape(file_error(err))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]; saved state is unchanged")
         raise typer.Exit(130) from None
@@ -58,6 +85,25 @@ def run_command(fn: Callable[[], dict[str, Any]], as_json: bool, render: Callabl
         sys.stdout.write(json.dumps(summary) + "\n")
     elif render is not None:
         render(summary)
+
+
+def file_error(err: OSError) -> str:
+    """An OSError as one line naming the path(s), the errno's meaning and its name:
+    ``/mnt/ro/out: Read-only file system (EROFS)``."""
+    where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+    name = errno.errorcode.get(err.errno, err.errno)
+    if err.errno in (errno.EEXIST, errno.ENOTDIR) and (file := _file_in_the_way(err.filename)):
+        return f"{file}: is a file, not a folder ({name})"
+    what = f"{err.strerror or os.strerror(err.errno)} ({name})"
+    return f"{where}: {what}" if where else what
+
+
+def _file_in_the_way(name: object) -> Path | None:
+    """The path itself or the nearest parent that exists and is not a folder (``--out FILE/x``)."""
+    if not isinstance(name, str | os.PathLike):
+        return None
+    path = Path(name)
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
 def key_table(

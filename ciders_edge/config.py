@@ -11,16 +11,73 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import tomllib
 import types
 import warnings
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from ciders_edge.errors import ConfigError
 
-__all__ = ["ConfigMixin", "RoundHyperparams", "gamma_schedule", "check_value"]
+__all__ = [
+    "ConfigMixin",
+    "RoundHyperparams",
+    "gamma_schedule",
+    "check_value",
+    "check_limit",
+    "limit_error",
+    "LIMITS",
+    "read_toml",
+]
 
 T = TypeVar("T", bound="ConfigMixin")
+
+# The allowed range of every count a user, a config file or a bundle sets, by key (a field of any config
+# dataclass, or a CLI option of the same meaning): checked where the value is read (ConfigMixin.check
+# names the file and table) and where a config is made (ConfigMixin.__post_init__), so no count is
+# ever unbounded (`local_steps = 10**20` in a bundle looped forever; `--clients 10**11` ran out of memory).
+LIMITS: dict[str, tuple[int, int]] = {
+    # steps and rounds
+    "local_steps": (1, 100_000),
+    "warmup_steps": (0, 100_000),
+    "takd_steps": (0, 100_000),
+    "steps": (0, 100_000),  # distill's added TAKD steps
+    "layer_steps": (0, 1_000_000),
+    "align_steps": (0, 1_000_000),
+    "train_steps": (0, 10_000),  # bench's timed training steps
+    "rounds": (1, 100_000),
+    "eval_every": (1, 100_000),
+    # batch shapes
+    "batch_size": (1, 4096),
+    "hvp_batch_size": (1, 4096),
+    "grad_accum": (1, 1024),
+    "seq_len": (1, 131_072),
+    "probe_batches": (1, 10_000),
+    "neumann_terms": (1, 1000),
+    # model shapes
+    "rank": (1, 1024),
+    "lora_rank": (1, 1024),
+    "messenger_depth": (1, 1024),
+    # fleets: simulate keeps every client in one process
+    "clients": (1, 1000),
+    "min_clients": (1, 100_000),
+    # data, evaluation and generation
+    "max_records": (0, 1_000_000_000),
+    "holdout": (0, 1_000_000),
+    "eval_examples": (0, 1_000_000),
+    "eval_generate": (0, 1_000_000),
+    "limit": (1, 1_000_000_000),
+    "max_new_tokens": (1, 32_768),
+    "min_new_tokens": (0, 32_768),
+    "new_tokens": (1, 32_768),
+    "repeats": (1, 1000),
+    "n_train": (0, 1_000_000),
+    "n_public": (0, 1_000_000),
+    "n_eval": (0, 1_000_000),
+    "seed": (0, 2**63 - 1),
+    "days": (1, 36_500),
+}
 
 _NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
 _PLURALS = {int: "integers", float: "numbers", str: "strings", bool: "booleans", dict: "tables"}
@@ -60,6 +117,34 @@ def _finite(value: int | float) -> bool:
         return False
 
 
+def limit_error(key: str, value: Any, name: str = "") -> str | None:
+    """Why the integer ``value`` of ``key`` is out of :data:`LIMITS` (``None``: it is in range, or
+    ``key`` has none); ``name`` is how the message names the key (default `` `key` ``)."""
+    low, high = LIMITS.get(key, (None, None))
+    if low is None or not isinstance(value, int) or isinstance(value, bool) or low <= value <= high:
+        return None
+    return f"{name or f'`{key}`'} must be an integer from {low:,} to {high:,}; got {value}"
+
+
+def check_limit(key: str, value: Any, name: str = "") -> None:
+    """Raise the :class:`ConfigError` of :func:`limit_error` (for a CLI option: ``name="--rounds"``)."""
+    if (message := limit_error(key, value, name)) is not None:
+        raise ConfigError(message)
+
+
+def read_toml(path: Path) -> dict:
+    """A TOML file a user wrote (a config, a device profile); anything unreadable is one line naming it."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        before = err.object[: err.start]
+        line, column = before.count(b"\n") + 1, err.start - before.rfind(b"\n")
+        byte = f"byte {err.object[err.start]:#04x} at line {line}, column {column}"
+        raise ConfigError(f"{path}: not UTF-8 text ({byte})") from None
+    except ValueError as err:  # TOMLDecodeError, or an integer of over 4,300 digits
+        raise ConfigError(f"{path}: invalid TOML ({err})") from None
+
+
 def _describe(hint: Any) -> str:
     """``hint`` in a config writer's words: "a list of strings", "a number" (TOML has no None)."""
     alts = [a for a in _members(hint) if a is not type(None)]
@@ -81,6 +166,12 @@ class ConfigMixin:
 
     CHOICES: ClassVar[dict[str, tuple]] = {}
     TABLES: ClassVar[dict[str, type[ConfigMixin]]] = {}
+
+    def __post_init__(self) -> None:
+        """Every integer field within :data:`LIMITS` (subclasses call this first)."""
+        for key, hint in self.field_types().items():
+            if int in _members(hint):
+                check_limit(key, getattr(self, key))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
@@ -112,6 +203,8 @@ class ConfigMixin:
             if not check_value(value, types_[key]) or (choices and value not in choices):
                 expected = _describe(types_[key]) + (f", one of {', '.join(map(repr, choices))}" if choices else "")
                 raise ConfigError(f"{where}: `{name}` must be {expected}; got {value!r}")
+            if int in _members(types_[key]) and (message := limit_error(key, value, f"`{name}`")):
+                raise ConfigError(f"{where}: {message}")
             sub = cls.TABLES.get(key)
             out[key] = sub.check(value, where, name, strict) if sub and isinstance(value, dict) else value
         return out
@@ -181,9 +274,7 @@ class RoundHyperparams(ConfigMixin):
     hvp_batch_size: int = 1  # public sequences in the cloud's Hessian-vector products (a stochastic Hessian)
 
     def __post_init__(self) -> None:
-        for name in ("local_steps", "grad_accum", "batch_size", "seq_len"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"`{name}` must be positive, got {getattr(self, name)}.")
+        super().__post_init__()
         if self.eta <= 0:
             raise ConfigError(f"`eta` must be positive, got {self.eta}.")
         if self.optimizer not in ("adamw", "sgd"):
@@ -194,13 +285,11 @@ class RoundHyperparams(ConfigMixin):
             raise ConfigError(f"`solver` must be fo, fd or svrg, got {self.solver!r}.")
         if self.hvp not in ("auto", "autograd", "fd"):
             raise ConfigError(f"`hvp` must be auto, autograd or fd, got {self.hvp!r}.")
-        if min(self.neumann_terms, self.probe_batches, self.hvp_batch_size) < 1:
-            raise ConfigError("`neumann_terms`, `probe_batches` and `hvp_batch_size` must be at least 1.")
         if not 0.0 < self.alpha <= 1.0:
             raise ConfigError(f"`alpha` must be in (0, 1], got {self.alpha}.")
         if self.eps_fd <= 0:
             raise ConfigError(f"`eps_fd` must be positive, got {self.eps_fd}.")
-        nonnegative = ("gamma", "eps_prox", "tau", "weight_decay", "clip", "eta_hvp", "warmup_steps", "takd_steps")
+        nonnegative = ("gamma", "eps_prox", "tau", "weight_decay", "clip", "eta_hvp")
         for name in (*nonnegative, "neumann_l"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must not be negative, got {getattr(self, name)}.")

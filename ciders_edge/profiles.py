@@ -7,17 +7,18 @@ in the ``device_profiles`` package; a path to any ``.toml`` file works too.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 from transformers import PretrainedConfig
 
-from ciders_edge.config import ConfigMixin
+from ciders_edge.config import ConfigMixin, read_toml
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.storage import STORAGES
+from ciders_edge.progress import console
 
 __all__ = [
     "DeviceProfile",
@@ -59,15 +60,16 @@ class DeviceProfile(ConfigMixin):
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
+        try:
+            super().__post_init__()
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
         if self.target not in TARGETS:
             raise ConfigError(f"{where}: `target` must be one of {', '.join(TARGETS)}, got {self.target!r}.")
         if self.dtype not in DTYPES:
             raise ConfigError(f"{where}: `dtype` must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         if self.storage not in STORAGES:
             raise ConfigError(f"{where}: `storage` must be one of {', '.join(STORAGES)}, got {self.storage!r}.")
-        for name in ("messenger_depth", "lora_rank", "seq_len", "batch_size", "grad_accum"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{where}: `{name}` must be positive, got {getattr(self, name)}.")
         if not 0.0 <= self.drop_ratio < 1.0:
             raise ConfigError(f"{where}: `drop_ratio` must be in [0, 1), got {self.drop_ratio}.")
         if self.memory_budget_gb <= 0:
@@ -103,11 +105,7 @@ def load_profile(name_or_path: str) -> DeviceProfile:
         raise ConfigError(
             f"unknown profile {name_or_path!r}; shipped: {', '.join(sorted(_shipped()))}, or a .toml path"
         )
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: invalid TOML ({err})") from None
-    return DeviceProfile.from_dict(data, where=str(path))
+    return DeviceProfile.from_dict(read_toml(path), where=str(path))
 
 
 def detect_profile() -> DeviceProfile:
@@ -121,10 +119,24 @@ def detect_profile() -> DeviceProfile:
 
 
 def pick_device(profile: DeviceProfile | None) -> torch.device:
-    """Where a profile runs torch: its GPU when it targets one and one is there, else the CPU."""
-    if profile is not None and profile.target in ("cuda", "jetson") and torch.cuda.is_available():
+    """Where a profile runs torch: its GPU when it targets one and one is there, else the CPU (with
+    one notice per profile: a GPU profile on the CPU is slow and should not be so without a word)."""
+    if profile is None or profile.target not in ("cuda", "jetson"):
+        return torch.device("cpu")
+    if torch.cuda.is_available():
         return torch.device("cuda")
+    if profile.name not in _NOTED_CPU:
+        _NOTED_CPU.add(profile.name)
+        console.print(
+            f"[yellow]notice:[/] profile {escape(profile.name)} targets {profile.target}, but torch sees no CUDA "
+            "device here; running on the CPU",
+            highlight=False,
+            soft_wrap=True,
+        )
     return torch.device("cpu")
+
+
+_NOTED_CPU: set[str] = set()  # GPU profiles already noted as running on the CPU
 
 
 def _system_memory_gb() -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ciders_edge.errors import ConfigError, ExportError
-from ciders_edge.formats.atomic import fsync_tree, replace_dir, staging_dir, write_json
+from ciders_edge.formats.atomic import fsync_tree, named_errors, replace_dir, staging_dir, write_json
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.export_folder import FORMAT as EXPORT_FORMAT
 from ciders_edge.formats.export_folder import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
@@ -62,9 +62,10 @@ def export_model(
         edge, source = load_personalized(b, state, use_global, torch.float32, backbone, base_model)
         inputs = check_inputs(edge.tokenizer)
         reference = all_logits(edge.model, inputs)  # the unmerged model, LoRA live
-    staging = staging_dir(out)
+    with named_errors(out):
+        staging = staging_dir(out)
     try:
-        with stage(f"writing the {fmt} model" + (f" ({quantize})" if quantize != "none" else "")):
+        with named_errors(out), stage(f"writing the {fmt} model" + (f" ({quantize})" if quantize != "none" else "")):
             extra = (
                 {"gguf": save_gguf(edge, plan, staging, source.to_dict(), out.name)}
                 if plan
@@ -76,9 +77,10 @@ def export_model(
             exported = gguf_torch_model(staging, extra["gguf"]) if plan else Export(staging, manifest).load_model()
             check = compare_logits(inputs, reference, all_logits(exported, inputs))
         manifest["check"] = check
-        write_json(staging / MANIFEST, manifest)
-        fsync_tree(staging)
-        replace_dir(staging, out)
+        with named_errors(out):
+            write_json(staging / MANIFEST, manifest)
+            fsync_tree(staging)
+            replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from ciders_edge.config import check_limit
 from ciders_edge.errors import CidersError, ConfigError, ExportError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.export_folder import MANIFEST, Export
@@ -75,8 +76,10 @@ class BenchSettings:
         unknown = [r for r in self.runtimes if r not in RUNTIME_CHOICES]
         if unknown or not self.runtimes:
             raise ConfigError(f"--runtimes: unknown {unknown}; choose from {', '.join(RUNTIME_CHOICES)}")
-        if self.new_tokens < 2 or self.repeats < 1 or self.train_steps < 0:
-            raise ConfigError("--new-tokens must be >= 2, --repeats >= 1 and --train-steps >= 0")
+        if self.new_tokens < 2:
+            raise ConfigError(f"--new-tokens must be at least 2 (a decode rate needs 2), got {self.new_tokens}")
+        for key in ("new_tokens", "repeats", "train_steps"):
+            check_limit(key, getattr(self, key), "--" + key.replace("_", "-"))
 
 
 def bench(

@@ -168,7 +168,7 @@ def _set(path: str, value):
         ("split.n", 10**12, "'split' needs integers n"),
         ("split.beta", 0.75, "kept layer indices"),
         ("lora.rank", "4", "'lora': `rank` must be an integer"),
-        ("lora.rank", 0, "'lora': `rank` must be positive"),
+        ("lora.rank", 0, "'lora': `rank` must be an integer from 1 to 1,024; got 0"),
         ("backbone_lora", [], "'backbone_lora' must be an object"),
         ("hyperparameters.eta", float("nan"), "'hyperparameters': `eta` must be a number"),
         ("hyperparameters.local_steps", 2.5, "'hyperparameters': `local_steps` must be an integer"),

@@ -112,6 +112,20 @@ def test_prepare_refuses_an_existing_run(tiny_run):
     assert result.exit_code == 1 and "already exists" in result.stderr
 
 
+def test_a_second_prepare_of_the_same_out_is_one_line_at_once(demo_dir, tmp_path):
+    """The loser of two `prepare --out R` used to bootstrap in full, then fail with `OSError [Errno 39]`."""
+    from ciders_cloud.lock import claim_new_run
+
+    out = tmp_path / "run"
+    with claim_new_run(out):  # the first prepare, still bootstrapping
+        r = runner.invoke(cloud, _prepare_args(demo_dir, out))
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+        assert (
+            r.stderr.strip() == f"error: {out} is being written by another prepare; wait for it or choose another --out"
+        )
+        assert out.is_dir() and not any(out.iterdir())  # the first one's claim is left alone
+
+
 def test_bad_public_data_names_the_line(tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text('{"question": "q", "answer": "a"}\n{broken\n')

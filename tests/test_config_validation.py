@@ -32,6 +32,13 @@ BAD = [
     ("takd = 3\n", "`takd` must be a table; got 3"),
     ('[lora]\nrank = "4"\n', "`lora.rank` must be an integer; got '4'"),
     ("client_ids = [1, 2]\n", "`client_ids` must be a list of strings; got [1, 2]"),
+    ("clients = 99999999999\n", "`clients` must be an integer from 1 to 1,000; got 99999999999"),
+    (
+        "[hyperparameters]\nlocal_steps = 99999999999999999999\n",
+        "`hyperparameters.local_steps` must be an integer from 1 to 100,000; got 99999999999999999999",
+    ),
+    ("[takd]\nbatch_size = 0\n", "`takd.batch_size` must be an integer from 1 to 4,096; got 0"),
+    ("[lora]\nrank = 100000\n", "`lora.rank` must be an integer from 1 to 1,024; got 100000"),
 ]
 
 

@@ -112,3 +112,44 @@ def test_bad_input_is_one_line(trained, tmp_path):
     ):
         r = runner.invoke(edge_app, ["evaluate", "--bundle", str(bundle), *args])
         assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
+
+
+def _with_a_huge_line(tmp_path, size: int):
+    """Two small records around one valid record of ``size`` bytes (a 1 GB one reached 2.5 GB RSS)."""
+    path = tmp_path / "huge.jsonl"
+    small = [json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) for i in range(2)]
+    huge = json.dumps({"question": "x" * size, "answer": "y"})
+    path.write_text("\n".join([small[0], huge, small[1]]) + "\n")
+    return path
+
+
+def test_evaluate_skips_a_huge_line_unread_as_train_does(trained, tmp_path, tokenizer):
+    import tracemalloc
+
+    from ciders_edge.data.records import max_line_bytes
+
+    path = _with_a_huge_line(tmp_path, 8 << 20)
+    read_eval_records(_file(tmp_path, [{"question": "q", "answer": "a"}]), tokenizer, max_len=64)  # warm-up
+    tracemalloc.start()
+    try:
+        records = read_eval_records(path, tokenizer, max_len=64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r.answer for r in records] == ["1", "2"] and peak < (1 << 20), peak  # never held whole
+    bundle, state = trained
+    path = _with_a_huge_line(tmp_path, max_line_bytes(1024))  # just over the limit (the line has its JSON too)
+    r = runner.invoke(edge_app, ["evaluate", "--bundle", str(bundle), "--state", str(state), "--data", str(path)])
+    assert r.exit_code == 0, r.output
+    assert f"{path}: skipped 1 of 3 records (1 longer than {max_line_bytes(1024)} bytes)" in r.stderr
+
+
+def test_infer_input_refuses_a_huge_line_before_the_model_loads(tmp_path, monkeypatch):
+    """infer --input reads prompts with the same reader, bounded by MAX_LINE_BYTES (patched small here)."""
+    monkeypatch.setattr("ciders_edge.data.records.MAX_LINE_BYTES", 4096)
+    path = _with_a_huge_line(tmp_path, 4096)
+    args = ["infer", "--input", str(path), "--output", str(tmp_path / "out.jsonl"), "--bundle", str(tmp_path / "none")]
+    r = runner.invoke(edge_app, args)
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert r.stderr.strip() == f"error: {path}:2: a line longer than 4,096 bytes; no record that long is read"
+    assert not (tmp_path / "out.jsonl").exists()

@@ -74,3 +74,23 @@ def test_profiles_table_shows_every_name_whole_when_piped():
     assert "…" not in table and max(map(len, table.splitlines())) <= 80
     rows = {line.split()[0] for line in table.splitlines()[1:] if line.strip()}
     assert SHIPPED <= rows
+
+
+def test_a_gpu_profile_without_cuda_says_it_runs_on_the_cpu(tiny_run, monkeypatch):
+    """`--profile cuda-24gb` on a machine without CUDA used to run on the CPU without a word."""
+    import torch
+    from typer.testing import CliRunner
+
+    from ciders_edge import profiles
+    from ciders_edge.cli import app as edge
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(profiles, "_NOTED_CPU", set())
+    bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
+    args = ["infer", "--prompt", "hi", "--bundle", str(bundle), "--global", "--max-new-tokens", "1"]
+    r = CliRunner().invoke(edge, [*args, "--profile", "cuda-24gb"])
+    assert r.exit_code == 0, r.output
+    notice = "notice: profile cuda-24gb targets cuda, but torch sees no CUDA device here; running on the CPU"
+    assert r.stderr.count(notice) == 1, r.stderr
+    r = CliRunner().invoke(edge, [*args, "--profile", "cpu-laptop"])
+    assert r.exit_code == 0 and "notice: profile" not in r.stderr, r.output

@@ -18,7 +18,7 @@ from ciders_cloud.prepare import prepare as prepare_run
 from ciders_cloud.rounds import aggregate_files
 from ciders_cloud.splits import fleet_split
 from ciders_edge.cli_utils import JsonOpt, key_table, print_table, run_command
-from ciders_edge.config import RoundHyperparams
+from ciders_edge.config import RoundHyperparams, check_limit
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.lora import LoraSettings
 from ciders_edge.profiles import load_profile
@@ -125,6 +125,7 @@ def distill(
     """Continue TAKD of the learnable backbone and re-ship the current round's bundles."""
 
     def body() -> dict:
+        check_limit("steps", steps, "--steps")
         where = cloud_device(device)  # refused before the run is locked or read
         return locked(run, "distill", lambda: distill_run(run, steps, where))()
 

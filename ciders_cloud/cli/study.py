@@ -15,6 +15,7 @@ from ciders_cloud.strategies import STRATEGIES
 from ciders_cloud.study.report import report as report_runs
 from ciders_cloud.study.simulate import simulate as simulate_run
 from ciders_edge.cli_utils import JsonOpt, run_command
+from ciders_edge.config import check_limit
 from ciders_edge.data.demo import write_demo_data
 from ciders_edge.progress import console
 
@@ -139,6 +140,8 @@ def demo_data(
     """Generate the embedded demo data: five task families with exact-match answers."""
 
     def body() -> dict:
+        for key, value in (("n_train", n_train), ("n_public", n_public), ("n_eval", n_eval), ("seed", seed)):
+            check_limit(key, value, "--" + key.replace("_", "-"))
         paths = write_demo_data(out, n_train, n_public, n_eval, seed)
         return {"out": str(out), "files": {k: str(v) for k, v in paths.items()}}
 

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from ciders_cloud.run_folder import CertsFolder
+from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import write_bytes
 
@@ -28,6 +29,7 @@ __all__ = ["make_certs"]
 def make_certs(out: Path, hosts: list[str], days: int = 365, ca_key: Path | None = None) -> dict:
     """Write ``ca.crt`` and ``server.pem``/``server.key`` under ``out``, and the CA key to ``ca_key``
     (``None``: discarded once the server certificate is signed); refuse to overwrite."""
+    check_limit("days", days, "--days")
     folder = CertsFolder(out)
     if any(p.exists() for p in (folder.ca, folder.ca_key, folder.server_cert, folder.server_key)):
         raise ConfigError(f"{out}: already holds certificates; choose a new --out or delete them")

@@ -11,6 +11,7 @@ commands (Flower's tools, with their documented flags) talk to that loopback add
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from ciders_cloud.fleet.superlink import GRPC_SWITCHES, LOOPBACK
 from ciders_cloud.prepare import load_run
 from ciders_cloud.run_folder import CertsFolder, RunFolder
 from ciders_cloud.server_state import ServerState
+from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.join import flower_env, flower_tool, stop_on_sigterm
 from ciders_edge.progress import console
@@ -53,8 +55,10 @@ class ServeSettings:
     connect: bool = False  # use a SuperLink already running at `address`
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.min_clients < 1 or self.round_timeout <= 0:
-            raise ConfigError("--rounds, --min-clients and --round-timeout must be positive")
+        check_limit("rounds", self.rounds, "--rounds")
+        check_limit("min_clients", self.min_clients, "--min-clients")
+        if not 0 < self.round_timeout < math.inf:
+            raise ConfigError(f"--round-timeout must be a positive number of seconds, got {self.round_timeout}")
         host, _, port = self.address.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"--address {self.address!r}: expected HOST:PORT")

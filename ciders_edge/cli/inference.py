@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, key_table, print_table, run_command
+from ciders_edge.config import check_limit
 from ciders_edge.data.records import read_jsonl
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle
@@ -56,7 +57,8 @@ def infer(
         if export is not None and bundle is None and (state is not None or use_global):
             raise ConfigError("with --export, --state/--global only check the export: pass --bundle too, or neither")
         records = read_jsonl(input) if input is not None else None  # bad input fails before the model loads
-        settings = GenerationSettings(max_new_tokens, temperature, top_p, seed)
+        flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+        settings = GenerationSettings.from_dict(flags, where="flags")  # NaN, inf and huge counts refused
         prof = load_profile(profile) if profile else None
         with status("loading the model"):
             rt = open_runtime(
@@ -124,8 +126,8 @@ def evaluate(
             raise ConfigError(f"pass one --data per --state (got {len(data)} --data for {len(states)} --state)")
         if use_global + base + compare > 1:
             raise ConfigError("pass at most one of --global, --base and --compare")
-        if limit is not None and limit <= 0:
-            raise ConfigError(f"--limit must be positive, got {limit}")
+        check_limit("limit", limit, "--limit")
+        check_limit("max_new_tokens", max_new_tokens, "--max-new-tokens")
         b = Bundle.load(bundle)
         if compare:
             models = list(COMPARE)

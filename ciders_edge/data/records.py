@@ -26,6 +26,8 @@ from ciders_edge.progress import console
 __all__ = [
     "Example",
     "Skipped",
+    "LongLine",
+    "MAX_LINE_BYTES",
     "read_jsonl",
     "iter_jsonl",
     "to_chat",
@@ -43,7 +45,18 @@ IGNORE = -100
 # it could hardly fit (a token is a few characters), and tokenizing it whole costs about 150 bytes of
 # memory per character (a 50 MB line took 7.6 GB), more than an edge device has.
 LINE_BYTES_PER_TOKEN = 256
+# The longest line a whole-file reader (:func:`read_jsonl`: infer's prompts, simulate's data) takes:
+# room for a 32k-token prompt; a longer line is refused, naming it, without being read whole.
+MAX_LINE_BYTES = 32_768 * LINE_BYTES_PER_TOKEN
 _SKIP_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class LongLine:
+    """What :func:`iter_jsonl` yields for a line over its byte limit: where it is, and the limit."""
+
+    where: str
+    limit: int
 
 
 @dataclass
@@ -55,19 +68,25 @@ class Example:
     meta: dict = field(default_factory=dict)  # domain, category, reference answer, ...
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Read JSON objects, one a line, with the file and line number in every error."""
-    records = [rec for rec in iter_jsonl(path) if rec is not None]
+def read_jsonl(path: str | Path, max_line_bytes: int | None = None) -> list[dict]:
+    """Read JSON objects, one a line, with the file and line number in every error; a line over
+    ``max_line_bytes`` (default :data:`MAX_LINE_BYTES`) is refused, never read whole."""
+    records = []
+    for rec in iter_jsonl(path, max_line_bytes or MAX_LINE_BYTES):
+        if isinstance(rec, LongLine):
+            raise DataError(f"{rec.where}: a line longer than {rec.limit:,} bytes; no record that long is read")
+        records.append(rec)
     if not records:
         raise DataError(f"{path}: no records (empty file)")
     return records
 
 
-def iter_jsonl(path: str | Path, max_line_bytes: int | None = None) -> Iterator[dict | None]:
-    """Yield the JSON object of each non-blank line, tagged with ``_where`` (file:line).
+def iter_jsonl(path: str | Path, max_line_bytes: int) -> Iterator[dict | LongLine]:
+    """Yield the JSON object of each non-blank line, tagged with ``_where`` (file:line): the one
+    reader of every JSONL file (train's, evaluate's and infer's data).
 
-    A line longer than ``max_line_bytes`` yields ``None`` and is read past in chunks, never held
-    whole: one huge record must not cost more memory than the device has.
+    A line longer than ``max_line_bytes`` yields a :class:`LongLine` and is read past in chunks,
+    never held whole: one huge record must not cost more memory than the device has.
     """
     path = Path(path)
     if not path.is_file():
@@ -75,18 +94,18 @@ def iter_jsonl(path: str | Path, max_line_bytes: int | None = None) -> Iterator[
     with path.open("rb") as f:
         for lineno, raw in enumerate(_lines(f, max_line_bytes), 1):
             if raw is None:
-                yield None
+                yield LongLine(f"{path}:{lineno}", max_line_bytes)
             elif raw.strip():
                 yield _parse_line(raw, f"{path}:{lineno}", first=lineno == 1)
 
 
-def _lines(f: BinaryIO, max_bytes: int | None) -> Iterator[bytes | None]:
+def _lines(f: BinaryIO, max_bytes: int) -> Iterator[bytes | None]:
     """Lines of a binary file; ``None`` for one over ``max_bytes`` (its rest is skipped in chunks)."""
     while True:
-        raw = f.readline(max_bytes + 1) if max_bytes is not None else f.readline()
+        raw = f.readline(max_bytes + 1)
         if not raw:
             return
-        if max_bytes is None or len(raw) <= max_bytes or raw.endswith(b"\n"):
+        if len(raw) <= max_bytes or raw.endswith(b"\n"):
             yield raw
             continue
         while raw and not raw.endswith(b"\n"):
@@ -188,9 +207,7 @@ def load_examples(
     """Read and tokenize a JSONL file; records too long to read or without a response token within
     ``max_len`` are skipped, and a notice on stderr counts them."""
     examples, skipped = read_examples(path, tok, max_len, limit)
-    if skipped.total:
-        notice = escape(f"{path}: {skipped.describe(max_len)}")
-        console.print(f"[yellow]notice:[/] {notice}", highlight=False, soft_wrap=True)
+    skipped.notice(path, max_len)
     return examples
 
 
@@ -205,6 +222,12 @@ class Skipped:
     @property
     def total(self) -> int:
         return self.too_long + self.no_response
+
+    def notice(self, path: str | Path, max_len: int) -> None:
+        """One notice line on stderr counting what was skipped (nothing when nothing was)."""
+        if self.total:
+            text = escape(f"{path}: {self.describe(max_len)}")
+            console.print(f"[yellow]notice:[/] {text}", highlight=False, soft_wrap=True)
 
     def describe(self, max_len: int) -> str:
         parts = []
@@ -231,7 +254,7 @@ def read_examples(
     examples, skipped = [], Skipped()
     for rec in islice(iter_jsonl(path, max_line_bytes(max_len)), limit):
         skipped.read += 1
-        if rec is None:
+        if isinstance(rec, LongLine):
             skipped.too_long += 1
             continue
         ids, labels = encode(tok, *to_chat(rec), max_len)

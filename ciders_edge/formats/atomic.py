@@ -7,16 +7,21 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import save
 
+from ciders_edge.errors import CidersError
 from ciders_edge.faults import crash_point
 
 __all__ = [
     "write_bytes",
+    "pending_bytes",
+    "named_errors",
+    "os_error_in",
     "write_json",
     "write_jsonl",
     "append_jsonl",
@@ -69,20 +74,65 @@ def staging_dir(target: Path) -> Path:
 def write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` atomically, with the permissions of a normally created file
     (or ``mode``, set before any byte is written: private keys are never readable by others)."""
+    with pending_bytes(path, data, mode):
+        pass
+
+
+@contextmanager
+def pending_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Iterator[None]:
+    """Write ``data`` to a hidden temp file beside ``path`` now; rename it to ``path`` only when the
+    block succeeds, remove it when the block fails. For a file that must not appear without what the
+    block writes (the edge's packet without its state): the bytes are on disk before the block runs,
+    so publishing them is one rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with named_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with named_errors(path):
+            os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        yield
+        with named_errors(path):
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextmanager
+def named_errors(path: str | Path) -> Iterator[None]:
+    """A file system error without a file name (``write`` on a full disk says only "No space left on
+    device"; a library's writer may wrap it, as safetensors' "I/O error: ... (os error 28)") becomes
+    an OSError naming ``path``, so the CLI's one line says which file could not be written."""
+    try:
+        yield
+    except Exception as err:
+        found = None if isinstance(err, CidersError) else os_error_in(err)  # ours say what they mean
+        if found is None or (isinstance(err, OSError) and err.filename is not None):
+            raise
+        raise OSError(found.errno, found.strerror, found.filename or str(path)) from err
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error shows an errno
+
+
+def os_error_in(err: BaseException) -> OSError | None:
+    """The OSError behind ``err``: itself, its cause or context, or an errno in a Rust library's message."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None:
+            return err
+        if match := _RUST_OS_ERROR.search(str(err)):
+            code = int(match.group(1))
+            return OSError(code, os.strerror(code))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def write_json(path: str | Path, obj: object) -> None:
@@ -99,11 +149,12 @@ def append_jsonl(path: str | Path, records: list[dict]) -> None:
     """Append ``records`` to a JSON Lines log and fsync it: logs are the record of a run, so a line
     the caller saw written survives a power cut. Creates the folder."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in records))
-        f.flush()
-        os.fsync(f.fileno())
+    with named_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def write_safetensors(

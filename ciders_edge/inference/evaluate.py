@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from statistics import mean
 
 import torch
 
-from ciders_edge.data.records import Example, collate, encode, read_jsonl, to_chat, to_prompt
+from ciders_edge.data.records import (
+    Example,
+    LongLine,
+    Skipped,
+    collate,
+    encode,
+    iter_jsonl,
+    max_line_bytes,
+    to_chat,
+    to_prompt,
+)
 from ciders_edge.errors import DataError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.inference.generation import ANSWER_BATCH, GenerationSettings, generate_batch
@@ -108,9 +119,16 @@ class EvalRecord:
 
 
 def read_eval_records(path: str | Path, tokenizer, max_len: int = 1024, limit: int | None = None) -> list[EvalRecord]:
-    """Read a JSONL file of any training schema (or ``{"prompt": ...}``) into records to score."""
-    out = []
-    for rec in read_jsonl(path)[:limit]:
+    """Read a JSONL file of any training schema (or ``{"prompt": ...}``) into records to score.
+
+    As ``train``'s reader does, a line too long for ``max_len`` tokens is skipped unread (a notice
+    counts them): a 1 GB line used to be read, then parsed, whole."""
+    out, skipped = [], Skipped()
+    for rec in islice(iter_jsonl(path, max_line_bytes(max_len)), limit):
+        skipped.read += 1
+        if isinstance(rec, LongLine):
+            skipped.too_long += 1
+            continue
         prompt = to_prompt(rec)
         response = to_chat(rec)[1] if _has_response(rec) else None
         example = None
@@ -120,6 +138,11 @@ def read_eval_records(path: str | Path, tokenizer, max_len: int = 1024, limit: i
         answer = str(rec["answer"]) if "answer" in rec else None
         reference = response if any(k in rec for k in ("response", "output", "messages")) else None
         out.append(EvalRecord(prompt, example, answer, reference))
+    if not skipped.read:
+        raise DataError(f"{path}: no records (empty file)")
+    if not out:
+        raise DataError(f"{path}: no record to score: {skipped.describe(max_len)}")
+    skipped.notice(path, max_len)
     return out
 
 

@@ -43,8 +43,7 @@ class GenerationSettings(ConfigMixin):
     min_new_tokens: int = 0  # > 0 makes a benchmark decode a fixed length
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ConfigError(f"`max_new_tokens` must be positive, got {self.max_new_tokens}.")
+        super().__post_init__()
         if self.temperature < 0:
             raise ConfigError(f"`temperature` must be >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

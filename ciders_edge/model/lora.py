@@ -47,8 +47,7 @@ class LoraSettings(ConfigMixin):
     targets: list[str] = field(default_factory=list)  # empty: the family's default targets
 
     def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise ConfigError(f"`rank` must be positive, got {self.rank}.")
+        super().__post_init__()
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"`dropout` must be in [0, 1), got {self.dropout}.")
 

@@ -49,7 +49,8 @@ def round_hyperparams(bundle: Bundle, profile: DeviceProfile | None, overrides: 
     hp = RoundHyperparams.from_dict(bundle.manifest["hyperparameters"])
     if profile is not None:
         hp = hp.replace(batch_size=profile.batch_size, seq_len=profile.seq_len, grad_accum=profile.grad_accum)
-    return hp.replace(**overrides)
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    return RoundHyperparams.from_dict({**hp.to_dict(), **flags}, where="flags") if flags else hp
 
 
 def check_state(state: ClientState | None, bundle: Bundle) -> None:

@@ -1,9 +1,11 @@
 """``ciders-edge train`` from Python: one round on files, the only public entry to edge training.
 
 :func:`train` reads the bundle, the data and the state folder, runs the round
-(:func:`ciders_edge.training.round.run_round`) and writes the Δc packet, then the state, then the
-metrics log, each atomically. ``simulate`` and the CLI call it; the Flower edge calls ``run_round``
-directly, since its packet goes to the network. :func:`probe` is FedNest's extra exchange.
+(:func:`ciders_edge.training.round.run_round`) and writes the Δc packet, the state and the metrics
+log, each atomically. The packet's bytes are on disk before the state is saved but it is published
+(renamed into place) after, so a failure between (a full disk) leaves neither. ``simulate`` and the
+CLI call it; the Flower edge calls ``run_round`` directly, since its packet goes to the network.
+:func:`probe` is FedNest's extra exchange.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from rich.markup import escape
+
 from ciders_edge.errors import ConfigError
-from ciders_edge.formats.atomic import append_jsonl, write_bytes
+from ciders_edge.formats.atomic import append_jsonl, pending_bytes
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 from ciders_edge.formats.lock import folder_lock
 from ciders_edge.formats.packet import Packet
+from ciders_edge.progress import console
 from ciders_edge.tensors import Tensors
 from ciders_edge.training.bilevel import client_gradients
 from ciders_edge.training.round import PROBE_KIND, RoundOutput, check_state, load_round, round_seed, run_round
@@ -64,11 +69,20 @@ def train(
             b, data, state, client_id=cid, profile=profile, codec=codec, key=key,
             overrides=overrides, on_step=on_step, hypergradient=hypergradient,
         )  # fmt: skip
-        write_bytes(out, output.packet_bytes)
-        output.state.save(state_dir)
-        append_jsonl(Path(state_dir) / METRICS_LOG, [{"round": b.round, **s} for s in output.result.steps])
+        with pending_bytes(out, output.packet_bytes):  # no packet without its state: published last
+            output.state.save(state_dir)
+        _log_steps(Path(state_dir) / METRICS_LOG, [{"round": b.round, **s} for s in output.result.steps])
     output.summary.update(packet=str(out), state=str(state_dir))
     return output
+
+
+def _log_steps(path: Path, rows: list[dict]) -> None:
+    """Append the round's steps to the metrics log; the packet and state are out by now, so a log
+    that cannot be written (a full disk) is a notice, not a failed round."""
+    try:
+        append_jsonl(path, rows)
+    except OSError as err:
+        console.print(f"[yellow]notice:[/] {escape(str(err))}; the round's steps are not in the log", soft_wrap=True)
 
 
 def probe(
