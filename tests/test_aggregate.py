@@ -194,22 +194,25 @@ def reference_round(round0, tmp_path_factory):
     return {"run": ref_run, "state": _state_bytes(ref_run), "log": log, "bytes_down": down, "bundle_files": files}
 
 
-@pytest.mark.parametrize("point", ["staged:current", "aside:current", "swapped:current"])
+@pytest.mark.parametrize("point", ["staged:current", "aside:current", "swapped:current", "committed:state"])
 def test_train_killed_at_a_swap_step_leaves_no_hidden_folder(round0, reference_round, demo_dir, tmp_path, point):
     """SIGKILL at a named step of the edge state's swap in round 1: the next `train` on that state
-    takes its lock, finishes or removes what the swap left, and trains (or refuses the done round)."""
+    takes its lock, finishes or removes what the swap left, and trains; a state committed before the
+    kill is not trained again: the round's packet, kept beside it, is sent."""
     state = tmp_path / "state"
     shutil.copytree(round0 / "state-a", state)
     bundle = reference_round["run"] / "bundles" / "cpu-laptop" / "round-0001"
+    packet = tmp_path / "a1.pkt"
     cmd = [sys.executable, "-m", "ciders_edge", "train", "--bundle", str(bundle), "--state", str(state)]
-    cmd += ["--data", str(demo_dir / "dates" / "train.jsonl"), "--out", str(tmp_path / "a1.pkt")]
+    cmd += ["--data", str(demo_dir / "dates" / "train.jsonl"), "--out", str(packet)]
     killed = subprocess.run(cmd, capture_output=True, timeout=300, env={**os.environ, CRASH_ENV: point})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert [p for p in state.iterdir() if p.name.startswith(".current.")], point  # the swap's leftover
+    assert not packet.exists(), point  # no packet without its state
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    done = point == "swapped:current"  # the new state was in place: round 1 is trained
-    assert rerun.returncode == (1 if done else 0) and ("already trained round 1" in rerun.stderr) == done, rerun.stderr
-    assert ClientState.load(state).round == 1
+    committed = point in ("swapped:current", "committed:state")
+    assert rerun.returncode == 0 and ("its packet never left" in rerun.stderr) == committed, rerun.stderr
+    assert ClientState.load(state).round == 1 and Packet.load(packet).round == 1
+    assert not (state / "unsent.pkt").exists()
     assert sorted(p.name for p in state.iterdir() if p.name.startswith(".")) == [".lock"], point
 
 

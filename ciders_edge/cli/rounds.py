@@ -66,6 +66,9 @@ def train(
             return output.summary
 
     def render(s: dict) -> None:
+        if s.get("resent"):  # the notice said it: a committed round's packet, sent again
+            console.print(f"[green]✓[/] round {s['round']} client {s['client_id']}: packet {s['packet']}")
+            return
         console.print(
             f"[green]✓[/] round {s['round']} client {s['client_id']}: "
             f"loss {s['loss_first']:.4f} → {s['loss_last']:.4f} "

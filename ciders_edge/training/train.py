@@ -17,7 +17,8 @@ from pathlib import Path
 from rich.markup import escape
 
 from ciders_edge.errors import ConfigError
-from ciders_edge.formats.atomic import append_jsonl, pending_bytes
+from ciders_edge.faults import crash_point
+from ciders_edge.formats.atomic import append_jsonl, pending_bytes, write_bytes
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 from ciders_edge.formats.lock import folder_lock
@@ -25,9 +26,12 @@ from ciders_edge.formats.packet import Packet
 from ciders_edge.progress import console
 from ciders_edge.tensors import Tensors
 from ciders_edge.training.bilevel import client_gradients
+from ciders_edge.training.local_steps import LocalResult
 from ciders_edge.training.round import PROBE_KIND, RoundOutput, check_state, load_round, round_seed, run_round
 
-__all__ = ["train", "probe"]
+__all__ = ["train", "probe", "UNSENT_PACKET"]
+
+UNSENT_PACKET = "unsent.pkt"  # in the state folder: the committed round's packet until it is published
 
 
 def train(
@@ -61,6 +65,9 @@ def train(
     Path(state_dir).mkdir(parents=True, exist_ok=True)
     with folder_lock(state_dir, "ciders-edge train"):  # one round at a time on a state; cleans up a killed one
         state = ClientState.load(state_dir)
+        resent = _publish_unsent(Path(state_dir), state, b, Path(out), key)
+        if resent is not None:
+            return resent
         check_state(state, b)
         if state is not None and client_id is not None and client_id != state.client_id:
             raise ConfigError(f"--client-id {client_id!r} differs from the state's {state.client_id!r}")
@@ -69,11 +76,39 @@ def train(
             b, data, state, client_id=cid, profile=profile, codec=codec, key=key,
             overrides=overrides, on_step=on_step, hypergradient=hypergradient,
         )  # fmt: skip
+        unsent = Path(state_dir) / UNSENT_PACKET
         with pending_bytes(out, output.packet_bytes):  # no packet without its state: published last
-            output.state.save(state_dir)
+            write_bytes(unsent, output.packet_bytes)  # kept with the state until it is published
+            output.state.save(state_dir)  # the commit point
+            crash_point(f"committed:{Path(state_dir).name}")
+        unsent.unlink()
         _log_steps(Path(state_dir) / METRICS_LOG, [{"round": b.round, **s} for s in output.result.steps])
     output.summary.update(packet=str(out), state=str(state_dir))
     return output
+
+
+def _publish_unsent(
+    state_dir: Path, state: ClientState | None, bundle: Bundle, out: Path, key: bytes | None
+) -> RoundOutput | None:
+    """After a crash between the state's commit and the packet's publication, the state holds a round
+    the cloud never received: publish that round's packet (kept beside the state) instead of
+    refusing the round as trained. An unsent packet of a round the state never committed is dropped."""
+    unsent = state_dir / UNSENT_PACKET
+    if not unsent.is_file():
+        return None
+    data = unsent.read_bytes()
+    packet = Packet.from_bytes(data, key, where=str(unsent))
+    committed = state is not None and (state.round, state.bundle_id) == (packet.round, packet.bundle_id)
+    if not committed or bundle.bundle_id != packet.bundle_id:
+        unsent.unlink()
+        return None
+    write_bytes(out, data)
+    unsent.unlink()
+    console.print(f"[yellow]notice:[/] round {packet.round} was trained but its packet never left; sent it to {out}")
+    result = LocalResult(state.personalized, {}, state.c_i, dict(packet.tensors))
+    summary = {"client_id": state.client_id, "round": packet.round, "resent": True, "packet": str(out)}
+    summary["packet_bytes"] = len(data)
+    return RoundOutput(packet, data, state, result, {}, {**summary, "state": str(state_dir)})
 
 
 def _log_steps(path: Path, rows: list[dict]) -> None:
