@@ -56,10 +56,18 @@ demo: install
 		--format genai --quantize int8 --out $(DEMO)/edge-dates-genai
 	$(BIN)/ciders-edge infer --export $(DEMO)/edge-dates-genai --stream --max-new-tokens 24 \
 		--prompt "Rewrite the date March 14, 2021 in ISO format (YYYY-MM-DD)."
-	# before and after: exact match on each edge's own held-out eval split
+	# the same personalized models for llama.cpp and ollama: LoRA adapter GGUFs (about 1 MB) for the embedded
+	# base GGUF, with a Modelfile and the commands in their README.md; answered in llama.cpp when it is installed
+	for edge in dates strings; do $(BIN)/ciders-edge export --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000 \
+		--state $(DEMO)/edge-$$edge --format gguf --out $(DEMO)/edge-$$edge-gguf || exit 1; done
+	@if $(PY) -c "import llama_cpp" 2>/dev/null; then $(BIN)/ciders-edge infer --export $(DEMO)/edge-dates-gguf \
+		--stream --max-new-tokens 24 --prompt "Rewrite the date March 14, 2021 in ISO format (YYYY-MM-DD)."; \
+	else echo "llama.cpp is not installed (make llamacpp): see $(DEMO)/edge-dates-gguf/README.md to run it"; fi
+	# before and after: exact match on each edge's own held-out eval split (with llama.cpp: the adapters too)
 	$(BIN)/ciders-edge evaluate --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000 --compare \
 		--state $(DEMO)/edge-dates --data $(DEMO)/data/dates/eval.jsonl \
-		--state $(DEMO)/edge-strings --data $(DEMO)/data/strings/eval.jsonl --max-new-tokens 24
+		--state $(DEMO)/edge-strings --data $(DEMO)/data/strings/eval.jsonl --max-new-tokens 24 \
+		$$($(PY) -c "import llama_cpp" 2>/dev/null && echo --export $(DEMO)/edge-dates-gguf --export $(DEMO)/edge-strings-gguf)
 
 test: install
 	$(BIN)/pytest -q

@@ -340,3 +340,18 @@ def test_bench_puts_llama_cpp_beside_torch(llama_cpp, trained, tmp_path):
     for row in rows.values():
         assert row["decode_tokens_per_s"] > 0 and row["peak_rss_mib"] > 0
     assert rows["llamacpp-q8_0"]["check"]["greedy_agreement"] >= 0.9
+
+
+def test_evaluate_scores_an_export_in_its_runtime_beside_torch(llama_cpp, trained, exports, demo_dir):
+    """`evaluate --export` adds the personalized model as exported, answered in llama.cpp: the same
+    exact match as torch AdapFu from f16 weights; an export of another state is refused."""
+    bundle, state = trained
+    data = demo_dir / "units" / "eval.jsonl"
+    common = ["evaluate", "--bundle", str(bundle), "--state", str(state), "--data", str(data), "--limit", "4"]
+    r = runner.invoke(edge_app, [*common, "--backbone", "full", "--export", exports["adapter"]["out"], "--json"])
+    assert r.exit_code == 0, r.output
+    torch_row, gguf_row = json.loads(r.stdout.strip().splitlines()[-1])["results"]
+    assert "runtime" not in torch_row and gguf_row["runtime"] == "llamacpp-lora" and gguf_row["nll"] is None
+    assert gguf_row["exact_match"] == torch_row["exact_match"] and gguf_row["counts"]["exact_match"] == 4
+    r = runner.invoke(edge_app, [*common, "--export", exports["adapter"]["out"], "--export", exports["f16"]["out"]])
+    assert r.exit_code == 1 and "pass one --export per --state" in r.stderr

@@ -112,13 +112,19 @@ def evaluate(
         bool,
         typer.Option(help="Score the base model, the AdapEmu (global, personalized) and AdapFu (personalized)."),
     ] = False,
+    export: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--export", help="An export of a --state's model (repeatable: one per --state), scored in its runtime."
+        ),
+    ] = None,
     limit: Annotated[int | None, typer.Option(help="Score only the first N records of each file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens per generated answer.")] = 64,
     profile: Annotated[str | None, typer.Option(help="Device profile: dtype and device.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Score messengers on your data: response NLL, exact match (records with `answer`), ROUGE-L (with `response`)."""
-    from ciders_edge.inference.evaluate import COMPARE, evaluate_models
+    from ciders_edge.inference.evaluate import COMPARE, evaluate_exports, evaluate_models
 
     def body() -> dict:
         states = list(state or [])
@@ -126,6 +132,9 @@ def evaluate(
             raise ConfigError(f"pass one --data per --state (got {len(data)} --data for {len(states)} --state)")
         if use_global + base + compare > 1:
             raise ConfigError("pass at most one of --global, --base and --compare")
+        exports = list(export or [])
+        if exports and len(exports) != len(states):
+            raise ConfigError(f"pass one --export per --state (got {len(exports)} --export for {len(states)} --state)")
         check_limit("limit", limit, "--limit")
         check_limit("max_new_tokens", max_new_tokens, "--max-new-tokens")
         b = Bundle.load(bundle)
@@ -149,6 +158,13 @@ def evaluate(
                 max_new_tokens=max_new_tokens,
                 on_progress=lambda label, i, n: bar.update(n, f"{label} {i}/{n}", completed=i),
             )
+            rows += evaluate_exports(
+                b,
+                [(s, d, e) for (s, d), e in zip(edges, exports, strict=True)] if exports else [],
+                limit=limit,
+                max_new_tokens=max_new_tokens,
+                on_progress=lambda label, i, n: bar.update(n, f"{label} {i}/{n}", completed=i),
+            )
         return {"bundle": str(b.path), "round": b.round, "results": rows, "skipped": _skipped(rows)}
 
     run_command(body, as_json, _render_evaluate)
@@ -166,7 +182,7 @@ def _skipped(rows: list[dict]) -> list[str]:
                 ("exact_match", "an `answer`", "exact match"),
                 ("rouge_l", "a `response`", "ROUGE-L"),
             )
-            if c[k] < c["records"]
+            if c[k] < c["records"] and not (k == "nll" and "runtime" in r)  # an export's runtime gives no NLL
         ]
         if missing:
             notes[r["data"]] = f"{r['data']}: {c['records']} records, " + "; ".join(missing)
@@ -177,19 +193,24 @@ def _render_evaluate(s: dict) -> None:
     files = list(dict.fromkeys(r["data"] for r in s["results"]))
     header = ["model", *(f"{Path(f).parent.name}/{Path(f).name}" for f in files)]
     rows = []
-    for key in dict.fromkeys((r["backbone"], r["messenger"]) for r in s["results"]):
-        cells = {r["data"]: _cell(r) for r in s["results"] if (r["backbone"], r["messenger"]) == key}
-        rows.append([_model_label(*key), *(cells[f] for f in files)])
+    for key in dict.fromkeys(_row_key(r) for r in s["results"]):
+        cells = {r["data"]: _cell(r) for r in s["results"] if _row_key(r) == key}
+        rows.append([_model_label(*key), *(cells.get(f, "—") for f in files)])
     print_table(key_table(header, rows, whole_headers=True, title=s["bundle"]))
     for note in s["skipped"]:
         console.print(f"[dim]note: {note}[/]", highlight=False)
 
 
-def _model_label(backbone: str, messenger: str) -> str:
+def _row_key(r: dict) -> tuple[str, str, str | None]:
+    return r["backbone"], r["messenger"], r.get("runtime")
+
+
+def _model_label(backbone: str, messenger: str, runtime: str | None = None) -> str:
     if (backbone, messenger) == ("full", "base"):
         return "base model"
     names = {"base": "base model", "global": "global messenger", "personalized": "personalized messenger"}
-    return f"{'AdapFu' if backbone == 'full' else 'AdapEmu'}, {names[messenger]}"
+    label = f"{'AdapFu' if backbone == 'full' else 'AdapEmu'}, {names[messenger]}"
+    return f"{label} ({runtime} export)" if runtime else label
 
 
 def _cell(r: dict) -> str:

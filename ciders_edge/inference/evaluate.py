@@ -44,6 +44,8 @@ __all__ = [
     "read_eval_records",
     "score",
     "evaluate_models",
+    "evaluate_exports",
+    "score_answers",
     "COMPARE",
 ]
 
@@ -170,22 +172,53 @@ def score(edge: EdgeModel, records: list[EvalRecord], max_new_tokens: int = 64, 
     """NLL of the responses, then greedy answers for exact match and ROUGE-L, with the loaded messenger."""
     examples = [r.example for r in records if r.example is not None]
     nll = response_nll(edge, examples) if examples else None
+    answers = score_answers(edge.model, edge.tokenizer, records, max_new_tokens, on_record)
+    return Scores(nll, answers.exact_match, answers.rouge_l, {**answers.counts, "nll": len(examples)})
+
+
+def score_answers(model, tokenizer, records: list[EvalRecord], max_new_tokens: int = 64, on_record=None) -> Scores:
+    """Greedy answers for exact match and ROUGE-L from any runtime's model (torch, ONNX, a
+    :class:`~ciders_edge.inference.generation.TokenDecoder`); no NLL, which needs the torch model."""
     em, rouge = [], []
     settings = GenerationSettings(max_new_tokens=max_new_tokens)
     to_answer = [r for r in records if r.answer is not None or r.reference is not None]
     for i in range(0, len(to_answer), ANSWER_BATCH):
         chunk = to_answer[i : i + ANSWER_BATCH]
-        for r, text in zip(
-            chunk, generate_batch(edge.model, edge.tokenizer, [r.prompt for r in chunk], settings), strict=True
-        ):
+        for r, text in zip(chunk, generate_batch(model, tokenizer, [r.prompt for r in chunk], settings), strict=True):
             if r.answer is not None:
                 em.append(float(exact_match_answer(text) == exact_match_answer(r.answer)))
             if r.reference is not None:
                 rouge.append(rouge_l(text, r.reference))
         if on_record is not None:
             on_record(i + len(chunk), len(to_answer))
-    counts = {"records": len(records), "nll": len(examples), "exact_match": len(em), "rouge_l": len(rouge)}
-    return Scores(nll, mean(em) if em else None, mean(rouge) if rouge else None, counts)
+    counts = {"records": len(records), "nll": 0, "exact_match": len(em), "rouge_l": len(rouge)}
+    return Scores(None, mean(em) if em else None, mean(rouge) if rouge else None, counts)
+
+
+def evaluate_exports(
+    bundle: Bundle,
+    edges: list[tuple[str | Path, str | Path, str | Path]],
+    *,
+    limit: int | None = None,
+    max_new_tokens: int = 64,
+    on_progress=None,
+) -> list[dict]:
+    """Score each ``(state, data, export)``: the state's personalized model as exported, in the runtime
+    a device runs it in (llama.cpp, ONNX Runtime GenAI, ...). The export must be of that bundle and state."""
+    from ciders_edge.inference.runtime import open_runtime
+
+    rows = []
+    for state, data, export in edges:
+        rt = open_runtime(None, bundle=bundle.path, state=state, export=export)
+        records = read_eval_records(data, rt.tokenizer, limit=limit)
+        label = f"{rt.name} {data}"
+        progress = (lambda i, n, label=label: on_progress(label, i, n)) if on_progress else None
+        s = score_answers(rt.model, rt.tokenizer, records, max_new_tokens, progress)
+        backbone = rt.source.get("backbone", "emu")
+        row = {"backbone": backbone, "messenger": "personalized", "runtime": rt.name, "state": str(state)}
+        rows.append({**row, "data": str(data), "client_id": rt.source.get("client_id"), **s.to_dict()})
+        del rt
+    return rows
 
 
 def evaluate_models(
