@@ -159,7 +159,7 @@ def test_export_never_replaces_a_foreign_folder(trained, tmp_path):
     with pytest.raises(ExportError, match="not an export folder"):
         export_model(bundle, state, "hf", bundle)  # a bundle has a manifest.json too
     assert (keep / "todo.txt").read_text() == "mine"
-    with pytest.raises(ConfigError, match="onnx and gguf only"):
+    with pytest.raises(ConfigError, match="onnx, genai and gguf only"):
         export_model(bundle, state, "hf", tmp_path / "x", quantize="int8")
 
 
