@@ -23,23 +23,10 @@ from ciders_edge.inference.generation import GenerationSettings, encode_prompt, 
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, personal_messenger
 from ciders_edge.inference.providers import resolve_providers
 from ciders_edge.inference.runtime import open_runtime
-from ciders_edge.training.train import train
 from export import export_model
 from export.check import all_logits, check_inputs, compare_logits
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_run, demo_dir, tmp_path_factory):
-    """A bundle and a client state that trained one round on it."""
-    bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
-    root = tmp_path_factory.mktemp("edge")
-    state = root / "state"
-    train(
-        bundle, demo_dir / "units" / "train.jsonl", state, root / "p.pkt", client_id="e1", overrides={"local_steps": 3}
-    )
-    return bundle, state
 
 
 @pytest.fixture(scope="module")

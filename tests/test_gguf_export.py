@@ -25,7 +25,6 @@ from ciders_edge.formats.export_folder import Export
 from ciders_edge.inference.personalize import load_personalized
 from ciders_edge.model import sources
 from ciders_edge.model.lora import MESSENGER_ADAPTER, lora_state
-from ciders_edge.training.train import train
 from export import export_model
 from export.check import check_inputs
 from export.gguf import gguf_torch_model
@@ -34,17 +33,6 @@ from export.gguf_tensors import SmolLM2Vocab, permute, unpermute
 runner = CliRunner()
 PROMPT = [{"role": "user", "content": "What is the date 3 days after 2024-05-17?"}]
 LAYERS = 8  # tiny: messenger layers 6 and 7 of the full model
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_run, demo_dir, tmp_path_factory):
-    bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
-    root = tmp_path_factory.mktemp("edge")
-    state = root / "state"
-    train(
-        bundle, demo_dir / "units" / "train.jsonl", state, root / "p.pkt", client_id="e1", overrides={"local_steps": 3}
-    )
-    return bundle, state
 
 
 @pytest.fixture(scope="module")
