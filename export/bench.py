@@ -34,12 +34,8 @@ __all__ = ["BenchSettings", "bench", "RUNTIME_CHOICES"]
 
 RUNTIME_CHOICES = {  # runtime name -> the export it runs (format, quantize, merged); torch runs the bundle itself
     "torch": None,
-    "onnx": ("onnx", "none", False),
-    "onnx-int8": ("onnx", "int8", False),
-    "onnx-int8-dynamic": ("onnx", "int8-dynamic", False),
-    "genai": ("genai", "none", False),
-    "genai-int8": ("genai", "int8", False),
-    "genai-int4": ("genai", "int4", False),
+    **{f"onnx{q}": ("onnx", q.lstrip("-") or "none", False) for q in ("", "-int8", "-int8-dynamic")},
+    **{f"genai{q}": ("genai", q.lstrip("-") or "none", False) for q in ("", "-int8", "-int4")},
     "llamacpp-lora": ("gguf", "none", False),  # the base GGUF + the messenger's LoRA adapter (AdapFu)
     "llamacpp-q8_0": ("gguf", "q8_0", True),
     "llamacpp-q4_0": ("gguf", "q4_0", True),

@@ -99,7 +99,7 @@ def test_tiny_adapter_comes_with_its_base_and_an_ollama_modelfile(exports):
     folder = Path(exports["adapter"]["out"])
     exp = Export.load(folder)
     g = exp.manifest["gguf"]
-    assert exp.runtime == "llamacpp" and g["kind"] == "adapter" and g["base"]["path"] == "base.gguf"
+    assert exp.runtime == "llamacpp-lora" and g["kind"] == "adapter" and g["base"]["path"] == "base.gguf"
     model, adapter = exp.gguf_files()
     assert model == folder / "base.gguf" and adapter == folder / "adapter.gguf"
     base = gguf.GGUFReader(model)
