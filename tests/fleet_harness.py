@@ -116,3 +116,30 @@ class Fleet:
     def close(self) -> None:
         for name in list(self.procs):
             self.kill(name)
+
+
+def flower_processes(home: Path) -> dict[int, str]:
+    """``{pid: command line}`` of the live processes whose FLWR_HOME is ``home``: everything a serve or
+    join started (Flower's own helpers too, whatever session or process group they put themselves in)."""
+    want = f"FLWR_HOME={home.resolve()}".encode()
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if want in (proc / "environ").read_bytes().split(b"\0"):  # a zombie's environ reads empty
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found
+
+
+def wait_for(condition, timeout: float, what):
+    """Poll ``condition()`` until it returns something true; its value. An AssertionError after ``timeout``
+    says ``what`` (or what ``what()`` says then)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what() if callable(what) else what}: not within {timeout} s")

@@ -2,10 +2,12 @@
 SuperNode authentication on, on the `tiny` model. Each test is bounded in time."""
 
 import json
+import os
+import signal
 
 import pytest
 import torch
-from fleet_harness import Fleet
+from fleet_harness import Fleet, flower_processes, wait_for
 from test_simulate import _cfg as sim_cfg
 
 from ciders_cloud.run_folder import RunFolder
@@ -149,3 +151,22 @@ def test_unregistered_node_is_refused(demo_dir, fleet_factory):
     assert fleet.wait("stranger", timeout=60) == 1  # gives up after --admit-wait, not the default 60 s
     assert "did not admit this node" in fleet.log("stranger")
     assert json.loads((fleet.run_dir / "server" / "state.json").read_text())["round"] == 0
+
+
+def test_kill_9_of_serve_alone_ends_every_process_it_started(demo_dir, fleet_factory):
+    """SIGKILL to serve's pid only (its process group lives on): the SuperLink, Flower's SuperExec (in a
+    session of its own) and the ServerApp end with it instead of lingering on the run's ports."""
+    fleet, _ = fleet_factory(_cfg(demo_dir, clients=1))
+    fleet.serve(rounds=1, min_clients=1, timeout=60)  # no edge joins: the ServerApp waits for one
+    home = RunFolder(fleet.run_dir).flower_home
+    running = wait_for(
+        lambda: (p := flower_processes(home)) and any("flwr-serverapp" in c for c in p.values()) and p,
+        timeout=120,
+        what="the ServerApp running",
+    )
+    assert any("ciders_cloud.fleet.superlink" in c for c in running.values()), running
+    serve = fleet.procs.pop("cloud")
+    os.kill(serve.pid, signal.SIGKILL)
+    serve.wait()
+    # the kernel signals each child as its parent dies; 10 s is the least the linger was seen to last
+    wait_for(lambda: not flower_processes(home), timeout=10, what=lambda: f"these ending: {flower_processes(home)}")

@@ -303,3 +303,52 @@ def test_the_edge_summary_is_checked_before_it_is_logged():
     ]:
         with pytest.raises(PacketError, match=message):
             edge_report(raw)
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    """A TLS server on a loopback port with the certificate `ciders-cloud certs` made (certs/), and
+    a second, unrelated CA (other/): what an edge holds when it was given the wrong ca.crt."""
+    import socket
+    import ssl
+    import threading
+
+    make_certs(tmp_path / "certs", [])
+    make_certs(tmp_path / "other", [])
+    folder = RunFolder(tmp_path).certs
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder.server_cert, folder.server_key)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            try:
+                with context.wrap_socket(conn, server_side=True):
+                    pass
+            except (ssl.SSLError, OSError):
+                pass  # the client refused our certificate
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield listener.getsockname()[1], tmp_path
+    listener.close()
+
+
+def test_join_with_the_wrong_ca_names_the_tls_failure(tls_server, demo_dir):
+    """A ca.crt from another `certs` run: one line naming the TLS check, before any SuperNode starts."""
+    from ciders_edge.fleet.tls import check_server_certificate
+
+    port, root = tls_server
+    check_server_certificate("127.0.0.1", port, root / "certs" / "ca.crt")  # the right CA: no error
+    args = ["join", "--state", str(root / "s"), "--profile", "cpu-laptop", "--server", f"127.0.0.1:{port}"]
+    args += ["--data", str(demo_dir / "dates" / "train.jsonl"), "--root-certificates", str(root / "other" / "ca.crt")]
+    r = runner.invoke(edge_cli, args)
+    out = " ".join(r.output.split())
+    assert r.exit_code == 1 and "TLS: the cloud at 127.0.0.1:" in out and "does not accept" in out, r.output
+    assert "not registered" not in out
+    (root / "junk.crt").write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match="not a PEM CA certificate"):
+        check_server_certificate("127.0.0.1", port, root / "junk.crt")

@@ -19,10 +19,11 @@ def test_a_cpu_with_amx_builds_its_other_features_explicitly():
     args = cmake_args(AMX_CPU).split()
     assert args[0] == "-DGGML_NATIVE=OFF" and "-DGGML_AVX512_VNNI=ON" in args and "-DGGML_AVX2=ON" in args
     assert not [a for a in args if "AMX" in a] and "-DGGML_AVX512_BF16=ON" not in args  # only what it has
+    assert args[-1] == "-DLLAVA_BUILD=OFF"
 
 
 def test_a_cpu_without_amx_keeps_the_native_build():
-    assert cmake_args(AMX_CPU.replace(" amx_tile amx_int8", "")) == ""
+    assert cmake_args(AMX_CPU.replace(" amx_tile amx_int8", "")) == "-DLLAVA_BUILD=OFF"  # text models only
 
 
 def test_a_file_that_is_not_gguf_is_refused_before_llama_cpp_reads_it(tmp_path):

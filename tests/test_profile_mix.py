@@ -145,6 +145,25 @@ def test_each_profile_gets_its_backbone_and_trains_its_top_layers(mixed):
     assert not all(torch.equal(state.personalized[k], t.float()) for k, t in pi.messenger_lora().items())
 
 
+def test_an_edge_that_changed_profile_is_told_so_not_that_its_state_was_lost(mixed, tmp_path):
+    """Client b trained round 0 as the Pi; joined again as a laptop, its state matches the cloud's c_i under
+    the Pi's names: the refusal names the profile change, and the state stays as it was."""
+    from ciders_cloud.fleet.coordinator import Coordinator, Edge
+    from ciders_edge.errors import StateError
+    from ciders_edge.fleet.edge import other_profiles, settle
+
+    shutil.copytree(mixed / "run", tmp_path / "run")
+    aggregate_files(tmp_path / "run", [mixed / f"{c}.pkt" for c in "abc"])
+    request = Coordinator(tmp_path / "run").sync_request(Edge(0, "b"))
+    shutil.copytree(mixed / "b", tmp_path / "b")
+    assert settle(tmp_path / "b", "b", cloud_digest(request, PI), 1, other_profiles(request, PI)).round == 0
+    with pytest.raises(StateError, match=f"this state trained as profile {PI}, and this node now runs another"):
+        settle(tmp_path / "b", "b", cloud_digest(request, LAPTOP), 1, other_profiles(request, LAPTOP))
+    with pytest.raises(StateError, match="trained outside this run"):  # no profile's copy: a foreign state
+        settle(tmp_path / "b", "b", cloud_digest(request, LAPTOP), 1, {})
+    assert ClientState.load(tmp_path / "b").round == 0
+
+
 def test_the_frozen_messenger_layers_draw_no_randomness(mixed, tmp_path, demo_dir):
     """The Pi's lower messenger layer is frozen: no LoRA dropout there (at round 1, where v moved it), so
     its round does not depend on the process's RNG and a fleet edge trains it as `simulate` does."""

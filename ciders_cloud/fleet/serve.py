@@ -29,6 +29,7 @@ from ciders_cloud.server_state import ServerState
 from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.join import flower_env, flower_tool, stop_on_sigterm
+from ciders_edge.fleet.lifetime import guarded
 from ciders_edge.progress import console
 
 __all__ = ["ServeSettings", "serve", "control_address"]
@@ -154,7 +155,7 @@ def _superlink(opts: ServeSettings, env: dict[str, str], tls: dict[str, Path]) -
     cmd += ["--database", str(folder.superlink_db.resolve()), "--disable-runtime-dependency-installation"]
     cmd += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
     log = folder.superlink_log.open("ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(guarded(cmd), stdout=log, stderr=subprocess.STDOUT, env=env)  # ends with serve
     try:
         what = f"the SuperLink (log: {folder.superlink_log})"
         _wait_for_port(chost, cport, 60.0, what, proc)
@@ -219,7 +220,7 @@ def _register(run_dir: Path, env: dict[str, str]) -> None:
 def _run_app(opts: ServeSettings, env: dict[str, str]) -> None:
     """``flwr run`` the fleet app and stream its log until the run ends; fail if it did not finish."""
     cmd = [flower_tool("flwr"), "run", str(APP_DIR), CONNECTION, "--run-config", opts.to_run_config(), "--stream"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(guarded(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.strip():

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +27,7 @@ from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report, refus
 from ciders_cloud.fleet.serve import ServeSettings
 from ciders_cloud.run_folder import RunFolder
 from ciders_edge.errors import CidersError, StateError
+from ciders_edge.fleet.lifetime import end_with_parent
 from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
 
 app = ServerApp()
@@ -41,6 +45,17 @@ def serverapp_lock(run_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             raise StateError(f"{run_dir}: another ServerApp is running this run") from None
         yield
+
+
+def _end_with_superexec() -> None:
+    """In ``flwr-serverapp`` (Flower's SuperExec started it): die the moment the SuperExec dies, which it
+    does when its SuperLink, and so ``serve``, are gone. Flower's own exit on a lost parent retries the
+    dead SuperLink for half a minute; the run folder is safe against a kill at any step."""
+    if sys.platform.startswith("linux") and Path(sys.argv[0]).name == "flwr-serverapp":
+        end_with_parent(os.getppid(), signal.SIGKILL)
+
+
+_end_with_superexec()  # at import, not in main(): the app takes seconds to load before main runs
 
 
 @app.main()

@@ -23,7 +23,8 @@ app = ClientApp()
 def sync(msg: Message, context: Context) -> Message:
     ask = msg.content.config_records[SYNC]
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
-    answer = edge.sync(cfg, str(ask["client_id"]), edge.cloud_digest(ask, cfg.profile), int(ask["round"]))
+    digest, elsewhere = edge.cloud_digest(ask, cfg.profile), edge.other_profiles(ask, cfg.profile)
+    answer = edge.sync(cfg, str(ask["client_id"]), digest, int(ask["round"]), elsewhere)
     return Message(RecordDict({SYNC: ConfigRecord({"json": json.dumps(answer)})}), reply_to=msg)
 
 
@@ -32,8 +33,9 @@ def train(msg: Message, context: Context) -> Message:
     r = msg.content.config_records[ROUND]
     files = record_bytes(msg.content.array_records[FILES])
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
+    digest, elsewhere = edge.cloud_digest(r, cfg.profile), edge.other_profiles(r, cfg.profile)
     packet, summary = edge.train_pending(
-        cfg, str(r["client_id"]), edge.cloud_digest(r, cfg.profile), int(r["round"]), bytes(r["manifest"]), files
+        cfg, str(r["client_id"]), digest, int(r["round"]), bytes(r["manifest"]), files, elsewhere
     )
     s = summary
     log(

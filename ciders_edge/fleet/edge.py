@@ -60,11 +60,15 @@ class EdgeConfig:
             ) from None
 
 
-def settle(state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int) -> ClientState | None:
+def settle(
+    state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int, elsewhere: Mapping[str, str] | None = None
+) -> ClientState | None:
     """Make the committed state the one the cloud's copy of c_i says it is; return it.
 
     A pending round is committed when the cloud's c_i equals its c_i, and dropped once the cloud
-    is past that round without it; a late (stale) message of the same round leaves it pending."""
+    is past that round without it; a late (stale) message of the same round leaves it pending.
+    ``elsewhere`` is the cloud's digest under each other profile's names: a state that matches
+    one of them was trained as that profile, which a mismatch then says."""
     committed = ClientState.load(state_dir)
     if committed is not None and committed.client_id != client_id:
         raise StateError(
@@ -78,6 +82,13 @@ def settle(state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int)
     if pending is None or cloud_round > pending.round:
         shutil.rmtree(state_dir / PENDING, ignore_errors=True)
     mine = consensus_digest(committed.c_i if committed else None)
+    was = [p for p, d in (elsewhere or {}).items() if d == mine and mine]
+    if mine != cloud_digest and was:
+        raise StateError(
+            f"{state_dir}: this state trained as profile {was[0]}, and this node now runs another profile; "
+            f"join with --profile {was[0]}, or as a new client id with a new --state (a device that changes "
+            "profile is a new client)"
+        )
     if mine != cloud_digest:
         raise StateError(
             f"{state_dir}: this state's c_i differs from the cloud's copy for {client_id!r} "
@@ -97,21 +108,34 @@ def cloud_digest(request: Mapping, profile: str) -> str:
     return str(digests[profile])
 
 
-def sync(cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int) -> dict:
+def other_profiles(request: Mapping, profile: str) -> dict[str, str]:
+    """The cloud's digests of this client's c_i under the names of the profiles other than ``profile``."""
+    if "c_i_digests" not in request:
+        return {}
+    return {p: str(d) for p, d in json.loads(str(request["c_i_digests"])).items() if p != profile}
+
+
+def sync(cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int, elsewhere: Mapping[str, str]) -> dict:
     """Answer a round's opening: settle the last round, say which profile and bundle files we hold."""
-    settle(cfg.state, client_id, cloud_digest, cloud_round)
+    settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere)
     return {"profile": cfg.profile, "held": held_files(cfg.state / BUNDLE)}
 
 
 def train_pending(
-    cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int, manifest: bytes, files: dict[str, bytes]
+    cfg: EdgeConfig,
+    client_id: str,
+    cloud_digest: str,
+    cloud_round: int,
+    manifest: bytes,
+    files: dict[str, bytes],
+    elsewhere: Mapping[str, str],
 ) -> tuple[bytes, dict]:
     """One round: rebuild and verify the bundle, train (``ciders-edge train``'s code), keep the new
     state pending; returns the packet and the training summary."""
     from ciders_edge.formats.packet import read_key_file
     from ciders_edge.training.round import run_round  # transformers: only when training
 
-    state = settle(cfg.state, client_id, cloud_digest, cloud_round)
+    state = settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere)
     bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
     key = read_key_file(cfg.key) if cfg.key is not None else None
     out = run_round(bundle, cfg.data, state, client_id=client_id, profile=cfg.profile, codec=cfg.codec, key=key)

@@ -26,6 +26,8 @@ import tomllib
 import zipfile
 from logging import ERROR, INFO
 
+from ciders_edge.fleet.lifetime import guarded
+
 # The fleet app ``ciders-cloud serve`` submits (ciders_cloud/fleet/app/pyproject.toml; the edge
 # never imports the cloud, so its identity is written here too and a test holds the two together).
 APP_NAME = "ciders-fleet"
@@ -96,7 +98,8 @@ def serve_tasks(address: str, parent_pid: int | None = None) -> None:
             res = client.AcquireTask(AcquireTaskRequest(supported_task_types=TASK_TYPES))
             if res.HasField("task") and res.token:
                 cmd = [sys.executable, "-m", "ciders_edge.fleet.executor", "task", "--runtime-api-address", address]
-                tasks.append(subprocess.Popen([*cmd, "--token", res.token, "--parent-pid", str(os.getpid())]))
+                cmd += ["--token", res.token, "--parent-pid", str(os.getpid())]
+                tasks.append(subprocess.Popen(guarded(cmd)))  # ends with this loop, even on kill -9
             time.sleep(POLL_S)
     except KeyboardInterrupt:  # the SuperNode is gone, or join stops us
         pass

@@ -22,6 +22,8 @@ from pathlib import Path
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.edge import EdgeConfig
 from ciders_edge.fleet.keys import ensure_node_key
+from ciders_edge.fleet.lifetime import guarded
+from ciders_edge.fleet.tls import check_server_certificate
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console, status
 
@@ -64,9 +66,10 @@ def join(
     cmd += ["--host", "127.0.0.1", "--port", runtime.rpartition(":")[2]]
     cmd += ["--root-certificates", str(root_certificates)]
     env = flower_env(state / "flwr")
-    stop_on_sigterm()
     console.print(f"joining {server} as this device's SuperNode (profile {name}); node key {public}", soft_wrap=True)
     _wait_for_server(address, server)
+    check_server_certificate(*address, root_certificates)
+    stop_on_sigterm()
     deadline = time.monotonic() + admit_wait
     while True:
         code, flower_code = _run_supernode(cmd, env, runtime)
@@ -77,8 +80,7 @@ def join(
     if flower_code == NOT_ADMITTED:
         raise StateError(
             f"the SuperLink at {server} did not admit this node: its key {public} is not registered "
-            "(the cloud copies it to RUN/nodes/<client-id>.pub), or the server's TLS certificate "
-            "is not signed by --root-certificates"
+            "(the cloud copies it to RUN/nodes/<client-id>.pub)"
         )
     if code != 0:
         raise StateError(f"the SuperNode exited with code {flower_code or code}")
@@ -89,9 +91,9 @@ def _run_supernode(cmd: list[str], env: dict[str, str], runtime: str) -> tuple[i
     """Run the SuperNode and the executor of its tasks (:mod:`.executor`, on its Runtime API at
     ``runtime``), passing their logs through; returns the SuperNode's exit status and the Flower exit
     code it logged (``Exit Code: N``, Flower's documented reason; the status itself is only 0 or 1)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(guarded(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     executor = subprocess.Popen(
-        [sys.executable, "-m", "ciders_edge.fleet.executor", "loop", "--runtime-api-address", runtime]
+        guarded([sys.executable, "-m", "ciders_edge.fleet.executor", "loop", "--runtime-api-address", runtime])
         + ["--parent-pid", str(proc.pid)],
         env=env,
     )
