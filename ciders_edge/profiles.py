@@ -10,15 +10,18 @@ import os
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.markup import escape
-from transformers import PretrainedConfig
 
 from ciders_edge.config import ConfigMixin, read_toml
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.storage import STORAGES
 from ciders_edge.progress import console
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = [
     "DeviceProfile",

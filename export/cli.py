@@ -9,9 +9,6 @@ import typer
 
 from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, key_table, print_table, run_command
 from ciders_edge.progress import console, status
-from export.api import export_model
-from export.bench import BenchSettings, bench
-from export.plots import plot_bench
 
 __all__ = ["export_command", "bench_command"]
 
@@ -54,6 +51,8 @@ def export_command(
             f"greedy agreement {c['greedy_agreement']:.1%} of {c['positions']} positions"
         )
 
+    from export.api import export_model  # the model stack loads for this command only, not for every `ciders-edge`
+
     run_command(
         lambda: export_model(
             bundle, state, format, out, quantize, use_global, status, backbone, base_model, merged, base_gguf
@@ -88,6 +87,9 @@ def bench_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Decode tokens/s, first-token latency, peak memory and size per runtime; the training step time."""
+
+    from export.bench import BenchSettings, bench
+    from export.plots import plot_bench
 
     def body() -> dict:
         settings = BenchSettings(

@@ -70,3 +70,15 @@ def test_module_imports_have_no_cycle():
 def test_modules_stay_small():
     sizes = {mod: len(path.read_text().splitlines()) for mod, path in MODULES.items()}
     assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_the_clis_start_without_the_model_stack():
+    """Every `ciders-edge` call (a profiles listing, a bad flag) loads the CLI: transformers and PEFT
+    (seconds of imports) load only in the commands that build a model."""
+    import subprocess
+    import sys
+
+    heavy = "('transformers', 'peft', 'optimum', 'onnxruntime')"
+    code = f"import sys, ciders_edge.cli; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -14,10 +14,6 @@ from ciders_edge.config import check_limit
 from ciders_edge.data.records import read_jsonl
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.inference.generation import GenerationSettings
-from ciders_edge.inference.infer import answer, answer_file
-from ciders_edge.inference.personalize import resolve_backbone
-from ciders_edge.inference.runtime import open_runtime
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import LazyBar, console, status
 
@@ -58,8 +54,13 @@ def infer(
             raise ConfigError("with --export, --state/--global only check the export: pass --bundle too, or neither")
         records = read_jsonl(input) if input is not None else None  # bad input fails before the model loads
         flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+        from ciders_edge.inference.generation import GenerationSettings  # transformers: only to answer
+
         settings = GenerationSettings.from_dict(flags, where="flags")  # NaN, inf and huge counts refused
         prof = load_profile(profile) if profile else None
+        from ciders_edge.inference.infer import answer, answer_file  # torch and transformers: past the checks
+        from ciders_edge.inference.runtime import open_runtime
+
         with status("loading the model"):
             rt = open_runtime(
                 runtime,
@@ -125,6 +126,7 @@ def evaluate(
 ) -> None:
     """Score messengers on your data: response NLL, exact match (records with `answer`), ROUGE-L (with `response`)."""
     from ciders_edge.inference.evaluate import COMPARE, evaluate_exports, evaluate_models
+    from ciders_edge.inference.personalize import resolve_backbone
 
     def body() -> dict:
         states = list(state or [])

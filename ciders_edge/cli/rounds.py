@@ -10,7 +10,6 @@ import typer
 from ciders_edge.cli_utils import JsonOpt, run_command
 from ciders_edge.formats.packet import read_key_file
 from ciders_edge.progress import LazyBar, console
-from ciders_edge.training.train import train as train_round
 
 __all__ = ["train", "keygen", "join"]
 
@@ -52,6 +51,8 @@ def train(
             "batch_size": batch_size,
             "grad_accum": grad_accum,
         }
+        from ciders_edge.training.train import train as train_round  # torch, transformers: when training
+
         key = read_key_file(key_file) if key_file else None
         with LazyBar("local steps") as bar:
 

@@ -14,14 +14,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 from rich.markup import escape
-from transformers import PreTrainedTokenizerBase
 
 from ciders_edge.errors import DataError
 from ciders_edge.progress import console
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "Example",

@@ -7,8 +7,10 @@ Llama block signature, so the split and the messenger forward need nothing else 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 from ciders_edge.errors import ModelError
 

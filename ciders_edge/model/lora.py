@@ -7,16 +7,19 @@ PEFT's own state-dict keys, so ``adapter/`` folders load in plain PEFT.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from transformers import PreTrainedModel
 
 from ciders_edge.config import ConfigMixin
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.families import family_of
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.tensors import FlatLayout
+
+if TYPE_CHECKING:  # PEFT and transformers load when a model is built, not when a bundle's manifest is read
+    from peft import LoraConfig, PeftModel
+    from transformers import PreTrainedModel
 
 __all__ = [
     "LoraSettings",
@@ -54,6 +57,8 @@ class LoraSettings(ConfigMixin):
 
 def peft_config(model: PreTrainedModel, settings: LoraSettings, layers: list[int]) -> LoraConfig:
     """A PEFT ``LoraConfig`` restricted to the AdapEmu layers ``layers``."""
+    from peft import LoraConfig
+
     targets = settings.targets or list(family_of(model.config).lora_targets)
     return LoraConfig(
         r=settings.rank,
@@ -74,6 +79,8 @@ def attach_lora(
 
     Both adapters stay active; which one trains is chosen with :func:`set_trainable`.
     """
+    from peft import get_peft_model
+
     model = get_peft_model(emu, peft_config(emu, messenger, spec.emu_messenger), adapter_name=MESSENGER_ADAPTER)
     names = [MESSENGER_ADAPTER]
     if backbone is not None:
@@ -92,6 +99,8 @@ def set_trainable(model: PeftModel, adapter: str | None) -> None:
 
 def lora_state(model: PeftModel, adapter: str) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's saved names (detached views, not copies)."""
+    from peft import get_peft_model_state_dict
+
     return {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name=adapter).items()}
 
 
@@ -164,4 +173,6 @@ def load_lora_state(model: PeftModel, state: dict[str, torch.Tensor], adapter: s
             raise ConfigError(
                 f"{adapter} LoRA tensor {k} has shape {tuple(v.shape)}, model expects {tuple(expected[k].shape)}"
             )
+    from peft import set_peft_model_state_dict
+
     set_peft_model_state_dict(model, state, adapter_name=adapter)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
-from transformers.modeling_utils import no_init_weights
 
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.families import family_of
+
+if TYPE_CHECKING:  # transformers loads when a model is split, not when a manifest's split is read
+    from transformers import PreTrainedModel
 
 __all__ = ["SplitSpec", "kept_indices", "build_adapemu", "shift_layers", "rename_layer", "layer_of"]
 
@@ -115,6 +117,9 @@ def emu_layer_source(spec: SplitSpec) -> list[int]:
 
 def build_adapemu(model: PreTrainedModel, spec: SplitSpec) -> PreTrainedModel:
     """Return the AdapEmu ``P_M ∘ B_L`` of ``model`` as a new model (the original is untouched)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import no_init_weights
+
     family_of(model.config)
     if model.config.num_hidden_layers != spec.n:
         raise ConfigError(f"split is for {spec.n} layers but the model has {model.config.num_hidden_layers}")
