@@ -4,6 +4,9 @@ llama.cpp builds with ``-march=native`` by default. On a CPU that reports Intel 
 kernel or hypervisor has not enabled its tile state (seen on this project's VMs), the AMX kernels
 then die on their first instruction (``ldtilecfg``: a general protection fault in the first decode).
 There, build for the CPU's other features explicitly and leave AMX out.
+
+Everywhere, the multimodal library (``mtmd``, which llama-cpp-python builds by default and loads only
+for image chat) is left out: the toolkit runs text models only, and the build is shorter without it.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ FEATURES = {
 }
 
 
+TEXT_ONLY = "-DLLAVA_BUILD=OFF"
+
+
 def cmake_args(cpuinfo: str) -> str:
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     if "amx_tile" not in flags:
-        return ""  # llama.cpp's default (native) build is right
+        return TEXT_ONLY  # llama.cpp's default (native) build is right
     options = [f"-D{option}=ON" for flag, option in FEATURES.items() if flag in flags]
-    return " ".join(["-DGGML_NATIVE=OFF", *options])
+    return " ".join(["-DGGML_NATIVE=OFF", *options, TEXT_ONLY])
 
 
 if __name__ == "__main__":
