@@ -3,12 +3,15 @@
 transformers' ``generate`` over optimum's session pays Python, a KV cache copied in and out of
 numpy, and a full-vocabulary logits copy for every token; GenAI keeps the KV cache in a buffer it
 preallocates for the whole generation and samples in C++, so a step costs what the graph costs.
-On the 2-core CPU this decodes SmolLM2-135M int8 at llama.cpp's speed (benchmarks/RESULTS.md).
+GenAI's own default runs ONNX Runtime on one thread; the decoder asks for every core this process
+may use, as llama.cpp does: on the 2-core CPU that doubles its speed, to llama.cpp's at the same
+weight precision (benchmarks/RESULTS.md, "On-device runtimes with llama.cpp").
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,8 +34,9 @@ class GenAIDecoder:
         self.vocab_size = vocab_size
 
     @classmethod
-    def open(cls, folder: Path, files: dict[str, str]) -> GenAIDecoder:
-        """Load a verified ``genai`` export (``files``: its manifest's file list); CPU."""
+    def open(cls, folder: Path, files: dict[str, str], threads: int | None = None) -> GenAIDecoder:
+        """Load a verified ``genai`` export (``files``: its manifest's file list); CPU, on ``threads``
+        intra-op threads (default: every core this process may run on)."""
         try:
             import onnxruntime_genai as og
         except ImportError:
@@ -46,6 +50,8 @@ class GenAIDecoder:
         try:
             config = og.Config(str(folder))
             config.clear_providers()  # the CPU; this package's wheel has no other provider
+            threads = threads or len(os.sched_getaffinity(0))
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
             model = og.Model(config)
         except Exception as err:  # onnxruntime-genai raises plain RuntimeError for a bad graph or config
             raise ExportError(f"{folder / ONNX_FILE}: onnxruntime-genai failed: {err}") from None
