@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 # the optional llama.cpp runtime (--runtime llamacpp): llama-cpp-python is an sdist that builds llama.cpp
-# (about 10 minutes on 2 cores, once: pip caches the wheel); tools/llamacpp_cmake_args.py picks the CPU flags.
+# (4-5 minutes on 2 cores without its multimodal library, once: pip caches the wheel); tools/llamacpp_cmake_args.py picks the CPU flags.
 # The sdist's llama.cpp source (convert_hf_to_gguf.py) is kept in the venv for the converter's test.
 $(VENV)/.llamacpp: $(VENV)/.installed
 	CMAKE_ARGS="$$($(PY) tools/llamacpp_cmake_args.py)" $(PY) -m pip install -q -e '.[dev,llamacpp]'
@@ -39,7 +39,7 @@ demo: install
 	rm -rf $(DEMO)
 	$(BIN)/ciders-cloud demo-data --out $(DEMO)/data
 	# split SmolLM2, align the learnable backbone with the full one (a shorter bootstrap than the default
-	# 200 + 60 steps, to keep the demo under 10 minutes; it prints the emulator's fidelity)
+	# 200 + 60 steps, to keep the demo near 10 minutes; it prints the emulator's fidelity)
 	$(BIN)/ciders-cloud prepare --model smollm2-135m --profile cpu-laptop \
 		--public-data $(DEMO)/data/public.jsonl --layer-steps 150 --align-steps 40 --out $(DEMO)/run
 	$(BIN)/ciders-edge verify --bundle $(DEMO)/run/bundles/cpu-laptop/round-0000

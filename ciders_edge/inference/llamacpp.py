@@ -54,7 +54,7 @@ class LlamaCppDecoder:
     def __init__(self, model: Path, adapter: Path | None, stop_ids: set[int], threads: int | None = None) -> None:
         if not llamacpp_available():
             raise ConfigError(
-                "--runtime llamacpp needs llama-cpp-python: pip install '.[llamacpp]' (builds llama.cpp, ~10 min)"
+                "--runtime llamacpp needs llama-cpp-python: pip install '.[llamacpp]' (builds llama.cpp, ~5 min)"
             )
         from llama_cpp import Llama
 
