@@ -34,9 +34,9 @@ class GenAIDecoder:
         self.vocab_size = vocab_size
 
     @classmethod
-    def open(cls, folder: Path, files: dict[str, str], threads: int | None = None) -> GenAIDecoder:
-        """Load a verified ``genai`` export (``files``: its manifest's file list); CPU, on ``threads``
-        intra-op threads (default: every core this process may run on)."""
+    def open(cls, folder: Path, files: dict[str, str]) -> GenAIDecoder:
+        """Load a verified ``genai`` export (``files``: its manifest's file list); CPU, one intra-op
+        thread per core this process may run on."""
         try:
             import onnxruntime_genai as og
         except ImportError:
@@ -50,8 +50,8 @@ class GenAIDecoder:
         try:
             config = og.Config(str(folder))
             config.clear_providers()  # the CPU; this package's wheel has no other provider
-            threads = threads or len(os.sched_getaffinity(0))
-            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+            threads = {"intra_op_num_threads": len(os.sched_getaffinity(0))}
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": threads}}}))
             model = og.Model(config)
         except Exception as err:  # onnxruntime-genai raises plain RuntimeError for a bad graph or config
             raise ExportError(f"{folder / ONNX_FILE}: onnxruntime-genai failed: {err}") from None
