@@ -69,8 +69,11 @@ demo: install
 		--state $(DEMO)/edge-strings --data $(DEMO)/data/strings/eval.jsonl --max-new-tokens 24 \
 		$$($(PY) -c "import llama_cpp" 2>/dev/null && echo --export $(DEMO)/edge-dates-gguf --export $(DEMO)/edge-strings-gguf)
 
+# one worker per core and one more: a third of the suite waits on processes (a fleet's rounds, llama.cpp);
+# files stay whole on one worker, so module fixtures are built once (the slow files go first: tests/conftest.py)
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: install
 	$(BIN)/ruff check ciders_edge ciders_cloud export tests benchmarks tools

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["CIDERS_EXPORTS"] = tempfile.mkdtemp(prefix="ciders-exports-")  # infer's default exports: not the user's
+atexit.register(shutil.rmtree, os.environ["CIDERS_EXPORTS"], True)
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: one thread per worker (and its subprocesses), or the
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers' thread pools fight for the cores and each runs slower
 
 import pytest  # noqa: E402
 
 from ciders_edge.cli_utils import quiet_libraries  # noqa: E402
 
 quiet_libraries()
+
+# Files whose tests mostly wait on processes (a fleet's rounds, llama.cpp, bench's fresh processes): run
+# first, so that with `pytest -n` (make test) their waits overlap the CPU-bound files instead of trailing.
+FIRST = (
+    "test_fleet_recovery.py",
+    "test_fleet.py",
+    "test_gguf_export.py",
+    "test_fleet_security.py",
+    "test_cli_tables.py",
+    "test_export.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
@@ -112,3 +135,27 @@ def trained(tiny_run, demo_dir, tmp_path_factory):
         bundle, demo_dir / "units" / "train.jsonl", state, root / "p.pkt", client_id="e1", overrides={"local_steps": 3}
     )
     return bundle, state
+
+
+@pytest.fixture
+def fleet_factory(tmp_path):
+    """``make(cfg) -> (Fleet, client ids)``: a prepared study served on loopback (tests/fleet_harness.py),
+    its edges registered; every process it started is killed at the end of the test."""
+    from fleet_harness import Fleet
+
+    from ciders_cloud.study.simulate import prepare_study
+
+    fleets = []
+
+    def make(cfg):
+        run_dir, ids, _ = prepare_study(cfg, tmp_path / "fleet")
+        fleet = Fleet(run_dir, tmp_path / "edges")
+        (tmp_path / "edges").mkdir()
+        for cid in ids:
+            fleet.register(cid)
+        fleets.append(fleet)
+        return fleet, ids
+
+    yield make
+    for f in fleets:
+        f.close()

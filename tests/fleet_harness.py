@@ -143,3 +143,28 @@ def wait_for(condition, timeout: float, what):
             return value
         time.sleep(0.2)
     raise AssertionError(f"{what() if callable(what) else what}: not within {timeout} s")
+
+
+def fleet_config(demo_dir: Path, clients: int):
+    """`test_simulate`'s fast tiny study, with the first ``clients`` of its data files."""
+    from test_simulate import _cfg as sim_cfg
+
+    data = [str(demo_dir / f / "train.jsonl") for f in ("arithmetic", "dates", "code")[:clients]]
+    return sim_cfg(demo_dir, clients=clients, data=data)
+
+
+def equal_tensors(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def check_edges_agree(fleet: Fleet, ids: list[str], server) -> None:
+    """After the run each edge has committed its last round, and its c_i is the cloud's copy."""
+    from ciders_edge.fleet.edge import PENDING
+    from ciders_edge.formats.client_state import ClientState
+
+    for cid in ids:
+        edge = ClientState.load(fleet.state(cid))
+        assert not (fleet.state(cid) / PENDING).exists()
+        assert equal_tensors(edge.c_i, server.clients[cid]), cid
