@@ -43,7 +43,7 @@ def trained(tiny_run, demo_dir, tmp_path_factory):
 def genai(trained, tmp_path_factory):
     bundle, state = trained
     root = tmp_path_factory.mktemp("genai-exports")
-    return {q: export_model(bundle, state, "genai", root / q, q, backbone="emu") for q in ("none", "int8")}
+    return {q: export_model(bundle, state, "genai", root / q, q, backbone="emu") for q in ("none", "int8", "int4")}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,51 @@ def test_int8_quantizes_every_linear_and_agrees(genai, torch_rt):
     rt = open_runtime("genai", export=exp.path)
     ours, ref = _tokens(rt, FIXED), _tokens(torch_rt, FIXED)
     assert sum(a == b for a, b in zip(ours, ref, strict=True)) >= 6
+
+
+def test_int4_quantizes_the_tied_embedding_once_and_agrees(genai, torch_rt):
+    """int4: 4-bit blocks of 32 for every linear, and the tied embedding and LM head as one 4-bit table
+    (GatherBlockQuantized reads it, MatMulNBits multiplies by it); int4's agreement is looser than int8's."""
+    import onnx
+
+    exp = Export.load(genai["int4"]["out"])
+    assert exp.runtime == "genai-int4"
+    graph = onnx.load(exp.path / ONNX_FILE, load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert "MatMul" not in ops and ops.count("Gather") == 1  # the one Gather left reads a shape, not a table
+    (embed,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    assert embed.name.startswith("/model/embed_tokens/") and embed.input[2] == "lm_head.MatMul.weight_scales"
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all({a.name: a.i for a in n.attribute}["bits"] == 4 for n in nbits)
+    assert {a.name: a.i for a in nbits[0].attribute}["block_size"] == 32
+    assert genai["int4"]["bytes"] < genai["int8"]["bytes"]
+    assert genai["int4"]["check"]["greedy_agreement"] >= 0.5  # documented: about 70% on SmolLM2
+    rt = open_runtime(None, export=exp.path)
+    assert len(_tokens(rt, FIXED)) == 12
+
+
+def test_infer_from_a_bundle_runs_a_genai_int8_export_made_once(trained, tmp_path, monkeypatch):
+    """Said nothing, `infer --bundle --state` answers in the fastest runtime installed: it exports the
+    model for GenAI (int8) on first use, reuses it while the messenger is the same, and --runtime torch
+    still answers in torch without an export."""
+    from export import cache
+
+    monkeypatch.setattr(cache, "exports_root", lambda: tmp_path / "exports")
+    bundle, state = trained
+    args = ["infer", "--bundle", str(bundle), "--state", str(state), "--backbone", "emu", "--prompt", "hi"]
+    args += ["--max-new-tokens", "3", "--json"]
+    first, again = (json.loads(runner.invoke(edge_app, args).stdout.strip().splitlines()[-1]) for _ in range(2))
+    assert first["runtime"] == again["runtime"] == "genai-int8"
+    assert first["export"]["made_now"] and not again["export"]["made_now"]
+    folder = first["export"]["path"]
+    assert again["export"]["path"] == folder and [p.name for p in (tmp_path / "exports").iterdir()] == [
+        folder.rsplit("/", 1)[-1]
+    ]
+    assert Export.load(folder).source["client_id"] == "g1" and first["text"] == again["text"]
+    r = runner.invoke(edge_app, [*args, "--runtime", "torch"])
+    assert r.exit_code == 0 and json.loads(r.stdout.strip().splitlines()[-1])["runtime"] == "torch"
+    glob = runner.invoke(edge_app, [a for a in args if a != str(state) and a != "--state"] + ["--global"])
+    assert json.loads(glob.stdout.strip().splitlines()[-1])["export"]["path"] != folder  # another messenger
 
 
 def test_stops_at_the_end_of_turn_and_honours_min_new_tokens(genai, tmp_path):

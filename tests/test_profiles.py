@@ -87,7 +87,18 @@ def test_a_gpu_profile_without_cuda_says_it_runs_on_the_cpu(tiny_run, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(profiles, "_NOTED_CPU", set())
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
-    args = ["infer", "--prompt", "hi", "--bundle", str(bundle), "--global", "--max-new-tokens", "1"]
+    args = [
+        "infer",
+        "--prompt",
+        "hi",
+        "--bundle",
+        str(bundle),
+        "--global",
+        "--max-new-tokens",
+        "1",
+        "--runtime",
+        "torch",
+    ]
     r = CliRunner().invoke(edge, [*args, "--profile", "cuda-24gb"])
     assert r.exit_code == 0, r.output
     notice = "notice: profile cuda-24gb targets cuda, but torch sees no CUDA device here; running on the CPU"

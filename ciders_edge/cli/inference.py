@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated
 
@@ -24,12 +25,16 @@ def infer(
     prompt: Annotated[str | None, typer.Option(help="One prompt to answer.")] = None,
     input: Annotated[Path | None, typer.Option("--input", help="JSONL of prompts (any training schema).")] = None,
     output: Annotated[Path | None, typer.Option(help="JSONL to write the answers to (with --input).")] = None,
-    bundle: Annotated[Path | None, typer.Option(help="Bundle folder (torch runtime).")] = None,
+    bundle: Annotated[Path | None, typer.Option(help="Bundle folder (with --state or --global).")] = None,
     state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
     export: Annotated[Path | None, typer.Option(help="Export folder from `ciders-edge export`.")] = None,
     use_global: Annotated[bool, typer.Option("--global", help="Run the bundle's global messenger.")] = False,
     runtime: Annotated[
-        str | None, typer.Option(help="torch, onnx or genai (default: the export's, else torch).")
+        str | None,
+        typer.Option(
+            help="torch, onnx, genai or llamacpp (default: the export's; from a bundle, genai: an int8 export "
+            "made on first use and kept under $CIDERS_HOME/exports)."
+        ),
     ] = None,
     profile: Annotated[str | None, typer.Option(help="Device profile: dtype, device, ONNX providers.")] = None,
     backbone: BackboneOpt = None,
@@ -41,7 +46,8 @@ def infer(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Answer a prompt (or a JSONL file) with the personalized model, in torch, ONNX Runtime or ONNX Runtime GenAI."""
+    """Answer a prompt (or a JSONL file) with the personalized model: from a bundle in ONNX Runtime GenAI (an int8
+    export made once; --runtime torch for none), from an export in its runtime (GenAI, ONNX Runtime, llama.cpp)."""
 
     def body() -> dict:
         if (prompt is None) == (input is None):
@@ -61,18 +67,23 @@ def infer(
         from ciders_edge.inference.infer import answer, answer_file  # torch and transformers: past the checks
         from ciders_edge.inference.runtime import open_runtime
 
+        chosen, made = export, None
+        if runtime is None and export is None and bundle is not None and _on_cpu(prof):  # the fastest installed
+            chosen, made = _default_export(bundle, state, use_global, backbone, base_model)
         with status("loading the model"):
             rt = open_runtime(
                 runtime,
                 bundle=bundle,
                 state=state,
-                export=export,
+                export=chosen,
                 use_global=use_global,
                 profile=prof,
                 backbone=backbone,
                 base_model=base_model,
             )
         summary = {"runtime": rt.name, "providers": rt.providers, "source": rt.source}
+        if chosen is not export:
+            summary["export"] = {"path": str(chosen), "made_now": made}
         if prompt is not None:
             g = answer(rt, prompt, settings, _print_text if stream else None)
             if stream:
@@ -95,8 +106,25 @@ def infer(
         what = f"{s['new_tokens']} tokens" if "text" in s else f"{s['answers']} answers → {s['output']}"
         rate = f", {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] is not None else ""
         console.print(f"[dim]{what}, first token {s['first_token_s']:.2f} s{rate} ({s['runtime']}, {who})[/]")
+        if s.get("export", {}).get("made_now"):
+            console.print(f"[dim]exported once for this model: {s['export']['path']} (--runtime torch: no export)[/]")
 
     run_command(body, as_json, render)
+
+
+def _default_export(bundle, state, use_global, backbone, base_model) -> tuple[Path | None, bool | None]:
+    """The exporter's cached GenAI int8 export of this model, made on first use (``export/cache.py``, found
+    by entry point: this runtime never imports the exporter); ``(None, None)`` without it: torch answers."""
+    for ep in entry_points(group="ciders_edge.exporters", name="default"):
+        return ep.load()(bundle, state, use_global, backbone, base_model, status)
+    return None, None
+
+
+def _on_cpu(profile) -> bool:
+    """Whether torch would run on the CPU: there GenAI's loop is faster; on a GPU, torch's compiled decode is."""
+    from ciders_edge.profiles import pick_device
+
+    return pick_device(profile).type == "cpu"
 
 
 def evaluate(
