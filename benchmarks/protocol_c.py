@@ -3,7 +3,7 @@
     python benchmarks/protocol_c.py --rounds 4 --out runs/protocol-c
 
 Dolly-15k (``../shared/data/dolly15k``) split over 8 clients by a Dirichlet over ``category``
-with concentration 0.1 (strong skew) and 0.4; gamma_t = max(0.01, 0.9 * 0.86^(t-1)) (DESIGN §2).
+with concentration 0.1 (strong skew) and 0.4; gamma_t = max(0.01, 0.9 * 0.86^(t-1)) (docs/design.md §3).
 Each of the four runs is one ``simulate``; ``ciders-cloud report`` over them draws the loss and
 E-RAE curves and S-DR / S-PPR against gamma_t into ``results/protocol_c/``.
 """

@@ -1,4 +1,4 @@
-"""The CIDERS cloud aggregation, DESIGN §2, eq. (11)–(12): pure functions over ``dict[str, Tensor]``.
+"""The CIDERS cloud aggregation, docs/design.md §3, eq. (11)–(12): pure functions over ``dict[str, Tensor]``.
 
 Eq. (12) holds layer by layer: in a fleet whose profiles train messengers of different depths, each
 messenger LoRA tensor is averaged over the clients that train it, their weights renormalized over
@@ -20,20 +20,20 @@ __all__ = ["reconstruct_displacement", "participation_weights", "weighted_sum", 
 
 
 def participation_weights(num_examples: Sequence[int]) -> list[float]:
-    """``p_i = |D_i| / sum_j |D_j|`` over this round's participants."""
+    """Eq. (12)'s weights: ``p_i = |D_i| / sum_j |D_j|`` over this round's participants."""
     total = float(sum(num_examples))
     return [n / total for n in num_examples]
 
 
 def weighted_sum(items: Sequence[Tensors], weights: Sequence[float], like: Tensors) -> Tensors:
-    """``sum_i p_i t_i`` over the tensors named in ``like``."""
+    """Eq. (12)'s ``sum_i p_i t_i`` over the tensors named in ``like``."""
     return {k: sum(p * t[k] for p, t in zip(weights, items, strict=True)) for k in like}
 
 
 def layer_means(items: Sequence[Tensors], weights: Sequence[float], like: Tensors) -> Tensors:
-    """``sum_{i in S_k} p_i^k t_i[k]`` for every tensor ``k`` of ``like`` that some item holds, where
-    ``S_k`` are the items holding ``k`` and ``p_i^k = p_i / sum_{j in S_k} p_j`` (= |D_i| / sum_{j in S_k}
-    |D_j|); a tensor every item holds keeps the weights as given."""
+    """Eq. (12) per layer: ``sum_{i in S_k} p_i^k t_i[k]`` for every tensor ``k`` of ``like`` that some item
+    holds, where ``S_k`` are the items holding ``k`` and ``p_i^k = p_i / sum_{j in S_k} p_j`` (= |D_i| /
+    sum_{j in S_k} |D_j|); a tensor every item holds keeps the weights as given."""
     holders: dict[tuple[int, ...], list[str]] = {}
     for k in like:
         who = tuple(i for i, t in enumerate(items) if k in t)

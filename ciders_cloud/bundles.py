@@ -1,5 +1,5 @@
 """Each round's bundles: one per profile, on the profile's learnable backbone, with the whole global
-messenger and the consensus of the layers the profile trains (DESIGN §3)."""
+messenger and the consensus of the layers the profile trains (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ TERMS = ("loss", "hidden", "kl", "ce")
 
 
 def hidden_term(h_student: Tensor, h_teacher: Tensor, form: str = "relative") -> Tensor:
-    """The hidden-state term ``||h_L - h_F||^2`` at N tokens (N, H).
+    """Eq. (2)'s hidden-state term ``||h_L - h_F||^2`` at N tokens (N, H).
 
     ``relative`` (default): the mean over tokens of ``||h_L - h_F||^2 / ||h_F||^2``. Every token counts
     alike and the term has no scale (0: exact, 1: as far off as a zero vector), so it sits beside the
@@ -46,7 +46,7 @@ def hidden_term(h_student: Tensor, h_teacher: Tensor, form: str = "relative") ->
 
 
 def task_term(logits_student: Tensor, logits_teacher: Tensor, targets: Tensor, form: str = "excess") -> Tensor:
-    """The task term CE(AdapEmu, y), the mean over the response tokens (``targets != IGNORE``).
+    """Eq. (2)'s task term CE(AdapEmu, y), the mean over the response tokens (``targets != IGNORE``).
 
     ``excess`` (default): ``max(0, CE_L - CE_F)``, the student's mean CE beyond the teacher's (AdapFu's)
     on the same batch. It pulls the emulator's NLL down to the full model's and no further: an emulator

@@ -232,7 +232,7 @@ def _unknown(where: str, table: str, key: str, known: dict) -> str:
 
 @dataclass
 class RoundHyperparams(ConfigMixin):
-    """Hyperparameters of one round of the edge update and the cloud aggregation (DESIGN §2).
+    """Hyperparameters of one round of the edge update and the cloud aggregation (docs/design.md §3).
 
     eta, K and tau personalize in a few rounds (``benchmarks/defaults_sweep.py``); the paper's
     1e-4, 10 and 0.02 assume 150 rounds and are the ``paper`` preset. The rest are the paper's
@@ -265,7 +265,7 @@ class RoundHyperparams(ConfigMixin):
     tau: float = 1.0  # server step on the aggregated displacement
     takd_steps: int = 5  # T_L warm-started TAKD steps per round on the cloud
     start_from: str = "global"  # x_0: the global messenger v, or this client's own (local-only baselines)
-    # FedNest / LFedNest (DESIGN's bilevel problem: x = messenger LoRA, y = backbone LoRA, g = TAKD)
+    # FedNest / LFedNest (the bilevel problem, docs/design.md eq. (3): x = messenger, y = backbone LoRA, g = TAKD)
     send_grad_y: bool = False  # LFedNest: the packet also carries grad_y f_i at the bundle's point
     probe_batches: int = 4  # FedNest: batches behind a client's grad f_i(x) for the global hypergradient
     neumann_terms: int = 5  # N: terms of the Neumann series for [grad_yy g]^-1 grad_y f

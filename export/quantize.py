@@ -8,7 +8,7 @@ weights with fp32 activations, against 93.6% for symmetric blocks of 32 and 88% 
 at the same decode speed.
 ``int8-dynamic`` is classic ``quantize_dynamic`` (per-channel weights, per-tensor activations);
 it is kept to compare against, since per-tensor activation scales can wreck those same models.
-The embedding (a Gather) stays float either way, as DESIGN §5 advises.
+The embedding (a Gather) stays float either way, since dynamic int8 can hurt an LLM's accuracy.
 """
 
 from __future__ import annotations

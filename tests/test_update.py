@@ -1,4 +1,4 @@
-"""The edge update (DESIGN §2) on quadratic losses, where the paper's statements are exact."""
+"""The edge update (docs/design.md §3) on quadratic losses, where the paper's statements are exact."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """Per client-round diagnostics of how the consensus correction mixes local and global directions.
 
-Our operationalization of the paper's measures (DESIGN §2, Prop. 2):
+Our operationalization of the paper's measures (docs/design.md §3, Prop. 2):
 - ``g_i``: client i's first FO direction of the round (at x_0 = v); ``G``: their |D_i|-weighted mean,
   per layer as eq. (12) averages (in a mixed fleet a client is compared with G on the layers it trains).
 - PPR, DR: the shares ``a / (a + b)`` and ``b / (a + b)`` of the least-squares fit

@@ -1,4 +1,4 @@
-"""AdapEmu bundles (DESIGN §3): the compact model and round state the cloud ships to edges.
+"""AdapEmu bundles (docs/design.md §5): the compact model and round state the cloud ships to edges.
 
 A bundle is a directory whose ``manifest.json`` (:mod:`ciders_edge.formats.manifest`) records the
 split, LoRA configs, round hyperparameters, the producer's versions and the sha256 of every other file.

@@ -1,4 +1,4 @@
-"""The bundle's manifest (DESIGN §3): its file names, and the checks a manifest passes before any file it
+"""The bundle's manifest (docs/design.md §5): its file names, and the checks a manifest passes before any file it
 lists is opened. A manifest is data from elsewhere; what it says decides which files are read and how,
 so every field the toolkit reads is typed here, once."""
 

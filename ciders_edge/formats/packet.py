@@ -1,4 +1,4 @@
-"""Δc packets (DESIGN §3): the only tensor payload an edge uploads.
+"""Δc packets (docs/design.md §5): the only tensor payload an edge uploads.
 
 Layout (little-endian)::
 

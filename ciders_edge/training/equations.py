@@ -1,4 +1,4 @@
-"""The CIDERS edge update, DESIGN §2, eq. (4)–(10): pure functions over ``dict[str, Tensor]``.
+"""The CIDERS edge update, docs/design.md §3, eq. (4)–(10): pure functions over ``dict[str, Tensor]``.
 
 ``v`` is the global messenger LoRA, ``c`` the global consensus, ``c_i`` this client's consensus;
 all share one set of tensor names. Nothing here mutates its inputs, moves devices or does I/O.
@@ -21,40 +21,40 @@ __all__ = [
 
 
 def look_ahead(x: Tensors, g0: Tensors, eta_in: float) -> Tensors:
-    """One-step look-ahead: ``x_look = x_k - eta_in * g0``."""
+    """Eq. (5), the one-step look-ahead: ``x_look = x_k - eta_in * g0``."""
     return add(x, g0, -eta_in)
 
 
 def fd_hessian_vector(grad_plus: Tensors, grad_minus: Tensors, eps_fd: float) -> Tensors:
-    """Central difference ``Hu = (grad L(x + eps u) - grad L(x - eps u)) / (2 eps)``."""
+    """Eq. (7), the central difference ``Hu = (grad L(x + eps u) - grad L(x - eps u)) / (2 eps)``."""
     return scale(sub(grad_plus, grad_minus), 1.0 / (2.0 * eps_fd))
 
 
 def fd_surrogate(u: Tensors, hu: Tensors, eta_hvp: float) -> Tensors:
-    """Curvature-aware surrogate ``g = u - eta_hvp * Hu`` (the FD solver)."""
+    """Eq. (7), the FD solver's curvature-aware surrogate ``g = u - eta_hvp * Hu``."""
     return add(u, hu, -eta_hvp)
 
 
 def trajectory_gradient(
     g: Tensors, x: Tensors, v: Tensors, c: Tensors, c_i: Tensors, gamma: float, eps_prox: float
 ) -> Tensors:
-    """``g_traj = g + gamma (c - c_i) + eps_prox (x_k - v)``: consensus correction and proximal pull."""
+    """Eq. (8): ``g_traj = g + gamma (c - c_i) + eps_prox (x_k - v)``, consensus correction and proximal pull."""
     return {k: g[k] + gamma * (c[k] - c_i[k]) + eps_prox * (x[k] - v[k]) for k in g}
 
 
 def displacement(v: Tensors, x_final: Tensors, local_steps: int, eta: float) -> Tensors:
-    """``Delta_i = (v - x_K) / (K eta)``: the round's average step, in gradient units."""
+    """Eq. (9): ``Delta_i = (v - x_K) / (K eta)``: the round's average step, in gradient units."""
     return scale(sub(v, x_final), 1.0 / (local_steps * eta))
 
 
 def consensus_update(c_i: Tensors, delta: Tensors, c: Tensors, alpha: float, gamma: float) -> Tensors:
-    """``c_i_new = (1 + alpha (gamma - 1)) c_i + alpha Delta_i - alpha gamma c``."""
+    """Eq. (10): ``c_i_new = (1 + alpha (gamma - 1)) c_i + alpha Delta_i - alpha gamma c``."""
     keep = 1.0 + alpha * (gamma - 1.0)
     return {k: keep * c_i[k] + alpha * delta[k] - alpha * gamma * c[k] for k in c_i}
 
 
 def delta_c(c_i_new: Tensors, c_i: Tensors) -> Tensors:
-    """``dc_i = c_i_new - c_i``: the only tensor payload an edge uploads."""
+    """Eq. (10): ``dc_i = c_i_new - c_i``: the only tensor payload an edge uploads."""
     return sub(c_i_new, c_i)
 
 

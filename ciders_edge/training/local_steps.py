@@ -1,4 +1,4 @@
-"""K local steps of the CIDERS edge update (DESIGN §2) over any differentiable objective.
+"""K local steps of the CIDERS edge update (docs/design.md §3) over any differentiable objective.
 
 The loop keeps the messenger LoRA as one flat tensor (x_k, v, c, c_i and every gradient): each
 term of eq. (4)–(10) is one op whatever the number of LoRA tensors, the optimizer steps a single

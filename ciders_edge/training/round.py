@@ -1,6 +1,6 @@
 """One round of the CIDERS edge update, in memory: K local steps on the AdapEmu, then the Δc packet.
 
-:func:`train_round` is the algorithm's round (DESIGN §2) on a loaded model and data;
+:func:`train_round` is the algorithm's round (docs/design.md §3) on a loaded model and data;
 :func:`run_round` loads the bundle's AdapEmu and the data on the profile's device and calls it.
 Neither writes a file: :func:`ciders_edge.training.train.train` writes the packet and the state,
 the Flower edge sends the packet over the network.
