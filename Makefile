@@ -79,7 +79,7 @@ lint: install
 	$(BIN)/ruff check ciders_edge ciders_cloud export tests benchmarks tools
 	$(BIN)/ruff format --check ciders_edge ciders_cloud export tests benchmarks tools
 
-# README.md's command reference, regenerated from the CLIs (tests/test_readme.py checks it is current)
+# docs/commands.md, the command reference, regenerated from the CLIs (tests/test_readme.py checks it is current)
 readme: install
 	$(PY) tools/readme_commands.py
 

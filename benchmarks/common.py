@@ -77,14 +77,16 @@ def write_results(name: str, payload: dict, table: list[list[str]], header: list
     return path
 
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# the real data the benchmarks read (never copied into the repository): $CIDERS_DATA, by default the
+# shared data folder beside this checkout
+DATA = Path(os.environ.get("CIDERS_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 def data_dir(sub: str) -> Path:
-    """A folder of ``../shared/data``; exits with a clear line when this machine lacks it."""
+    """A folder of the benchmark data (:data:`DATA`); exits with a clear line when this machine lacks it."""
     path = DATA / sub
     if not path.exists():
-        sys.exit(f"{path}: not there (see ../shared/data/README.md); this benchmark needs the real data")
+        sys.exit(f"{path}: not there (set CIDERS_DATA to the data folder, see its README.md); this benchmark needs it")
     return path
 
 

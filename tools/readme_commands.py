@@ -1,6 +1,6 @@
-"""Rewrite README.md's command reference from the typer apps, so the options it lists are the CLIs' own.
+"""Rewrite docs/commands.md, the command reference, from the typer apps, so the options it lists are the CLIs' own.
 
-``make readme`` runs it; ``--check`` only says whether the README is current (``tests/test_readme.py``
+``make readme`` runs it; ``--check`` only says whether the page is current (``tests/test_readme.py``
 fails when it is not). The section sits between :data:`START` and :data:`END`.
 """
 
@@ -16,7 +16,7 @@ import typer
 import typer.main
 from typer.models import ParameterInfo
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
 START, END = "<!-- commands:start -->", "<!-- commands:end -->"
 JSON_HELP = "Print a machine-readable summary as the last line."  # every command's --json, said once
 
@@ -39,14 +39,14 @@ def render() -> str:
     for prog, app in apps():
         group = typer.main.get_command(app)
         ctx = click.Context(group, info_name=prog)
-        lines += [f"### `{prog}`", "", _text(group.help), ""]
+        lines += [f"## `{prog}`", "", _text(group.help), ""]
         for name in group.list_commands(ctx):
             lines += _command(prog, name, group.get_command(ctx, name))
     return "\n".join(lines).rstrip() + "\n"
 
 
 def _command(prog: str, name: str, command: click.Command) -> list[str]:
-    lines = [f"#### `{prog} {name}`", "", _text(command.help), ""]
+    lines = [f"### `{prog} {name}`", "", _text(command.help), ""]
     rows = [_row(command, p) for p in command.params if getattr(p, "help", None) != JSON_HELP]
     if rows:
         lines += ["| option | meaning | default |", "|---|---|---|", *rows, ""]
@@ -93,18 +93,18 @@ def rewrite(readme: str, section: str) -> str:
     head, start, rest = readme.partition(START)
     _, end, tail = rest.partition(END)
     if not start or not end:
-        raise SystemExit(f"{README}: no {START} ... {END} section")
+        raise SystemExit(f"{PAGE}: no {START} ... {END} section")
     return f"{head}{START}\n{section}{END}{tail}"
 
 
 def main() -> None:
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     new = rewrite(text, render())
     if "--check" in sys.argv[1:]:
-        sys.exit(0 if new == text else f"{README}: the command reference is stale; run `make readme`")
+        sys.exit(0 if new == text else f"{PAGE}: the command reference is stale; run `make readme`")
     if new != text:
-        README.write_text(new, encoding="utf-8")
-        print(f"{README}: command reference rewritten")
+        PAGE.write_text(new, encoding="utf-8")
+        print(f"{PAGE}: command reference rewritten")
 
 
 if __name__ == "__main__":

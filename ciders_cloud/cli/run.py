@@ -41,7 +41,7 @@ def prepare(
     config: Annotated[
         str | None,
         typer.Option(
-            help="TOML file or preset name (paper): the run's settings (README: Simulation and report); flags win."
+            help="TOML file or preset name (paper): the run's settings (docs/studies.md); flags win."
         ),
     ] = None,
     model: Annotated[

@@ -33,7 +33,7 @@ def simulate(
     config: Annotated[
         str | None,
         typer.Option(
-            help="TOML file or preset name (paper): the run's settings (README: Simulation and report); flags win."
+            help="TOML file or preset name (paper): the run's settings (docs/studies.md); flags win."
         ),
     ] = None,
     model: Annotated[str | None, typer.Option(help="smollm2-135m, tiny or a local folder.")] = None,
