@@ -33,7 +33,7 @@ from ciders_edge.model.forward import decoder_of, layer_outputs, run_layers
 from ciders_edge.model.sources import ciders_home
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.progress import console, progress_bar
-from ciders_edge.training.local_steps import warmup_cosine
+from ciders_edge.schedule import warmup_cosine
 
 __all__ = ["gap_layers", "gap_parameters", "LayerAligner", "bootstrap"]
 

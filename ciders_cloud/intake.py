@@ -25,10 +25,9 @@ from ciders_cloud.teacher import messenger_offset, profile_spec
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.formats.packet import Packet, PacketHeader, consensus_digest, read_key_file
+from ciders_edge.formats.packet import PROBE_KIND, Packet, PacketHeader, consensus_digest, read_key_file
 from ciders_edge.model.split import layer_of, rename_layer, shift_layers
 from ciders_edge.tensors import Tensors, norm
-from ciders_edge.training.round import PROBE_KIND
 
 __all__ = [
     "Received",

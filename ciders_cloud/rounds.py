@@ -31,10 +31,10 @@ from ciders_cloud.takd import Distiller, public_split
 from ciders_cloud.teacher import CloudModels
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.atomic import write_safetensors
+from ciders_edge.formats.packet import PROBE_KIND
 from ciders_edge.profiles import load_profile
+from ciders_edge.schedule import mean_lr_multiplier
 from ciders_edge.tensors import Tensors, add, norm
-from ciders_edge.training.local_steps import mean_lr_multiplier
-from ciders_edge.training.round import PROBE_KIND
 
 __all__ = ["aggregate_packets", "aggregate_files", "hypergradient_packets"]
 

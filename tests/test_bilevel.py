@@ -18,8 +18,9 @@ from ciders_cloud.hypergradient import (
 from ciders_cloud.strategies import get_strategy
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
+from ciders_edge.schedule import mean_lr_multiplier
 from ciders_edge.tensors import add, norm, sub
-from ciders_edge.training.local_steps import local_update, mean_lr_multiplier
+from ciders_edge.training.local_steps import local_update
 
 DX, DY, MU = 3, 5, 0.5
 

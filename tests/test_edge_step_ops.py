@@ -13,6 +13,7 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.model.adapemu import load_edge_model
 from ciders_edge.model.forward import messenger_loss, run_backbone
 from ciders_edge.model.lora import MESSENGER_ADAPTER, bind_flat, copy_into, is_bound, lora_parameters
+from ciders_edge.schedule import lr_multiplier
 from ciders_edge.tensors import FlatLayout, add, norm, sub
 from ciders_edge.training.equations import (
     consensus_update,
@@ -23,7 +24,7 @@ from ciders_edge.training.equations import (
     look_ahead,
     trajectory_gradient,
 )
-from ciders_edge.training.local_steps import _lr_multiplier, local_update
+from ciders_edge.training.local_steps import local_update
 from ciders_edge.training.objective import Batch, MessengerObjective
 from ciders_edge.training.round import round_hyperparams
 
@@ -61,7 +62,7 @@ def _dict_update(v, c, c_i, obj, hp):
     """The local update as it was before issue 19: per-tensor dict arithmetic and per-tensor AdamW."""
     params = {k: torch.nn.Parameter(t.detach().clone()) for k, t in v.items()}
     opt = torch.optim.AdamW(list(params.values()), lr=hp.eta, weight_decay=hp.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_multiplier(s, hp))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, hp))
     losses = []
     for _ in range(hp.local_steps):
         x = {k: p.detach() for k, p in params.items()}

@@ -21,7 +21,7 @@ from ciders_cloud.fleet import serve as serve_mod
 from ciders_cloud.fleet.serve import APP_DIR, CONNECTION, ServeSettings, control_address
 from ciders_cloud.fleet.superlink import fleet_paths
 from ciders_edge.fleet.executor import APP_COMPONENTS, APP_NAME, APP_PUBLISHER, fab_refusal
-from ciders_edge.fleet.join import flower_env
+from ciders_edge.fleet.processes import flower_env
 
 GATE = "this address serves only the Fleet API"
 

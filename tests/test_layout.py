@@ -47,6 +47,26 @@ def test_the_edge_runtime_never_imports_the_cloud_or_the_exporter():
     assert {m: i for m, i in offenders.items() if i} == {}
 
 
+# what the cloud may use of the edge's training: the equations it shares (eq. 11) and the public entry on files
+# that `simulate` calls as the CLI does; the rest (local steps, objective, round) is the runtime's own
+EDGE_TRAINING_PUBLIC = {"ciders_edge.training.equations", "ciders_edge.training.train"}
+
+
+def test_the_cloud_uses_only_the_edges_public_parts():
+    offenders = []
+    for mod, path in MODULES.items():
+        if not mod.startswith("ciders_cloud"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ciders_edge")):
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            inner = node.module.startswith("ciders_edge.training") and node.module not in EDGE_TRAINING_PUBLIC
+            if private or inner:
+                offenders.append(f"{mod}: from {node.module} import {', '.join(a.name for a in node.names)}")
+    assert offenders == []
+
+
 def test_module_imports_have_no_cycle():
     graph = {mod: _imports(path, top_level_only=True) - {mod} for mod, path in MODULES.items()}
     done, path = set(), []

@@ -7,9 +7,10 @@ from ciders_cloud.aggregation import aggregate, participation_weights, reconstru
 from ciders_cloud.study.diagnostics import decompose, psi
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.formats.packet import Packet
+from ciders_edge.schedule import warmup_cosine
 from ciders_edge.tensors import add
 from ciders_edge.training.equations import consensus_update, delta_c, displacement, trajectory_gradient
-from ciders_edge.training.local_steps import local_update, warmup_cosine
+from ciders_edge.training.local_steps import local_update
 
 torch.set_default_dtype(torch.float32)
 

@@ -40,9 +40,7 @@ def prepare(
     public_data: Annotated[str | None, typer.Option(help="Public JSONL data for TAKD.")] = None,
     config: Annotated[
         str | None,
-        typer.Option(
-            help="TOML file or preset name (paper): the run's settings (docs/studies.md); flags win."
-        ),
+        typer.Option(help="TOML file or preset name (paper): the run's settings (docs/studies.md); flags win."),
     ] = None,
     model: Annotated[
         str | None, typer.Option(help="smollm2-135m (default), tiny, a local HF folder or a hub id.")

@@ -32,9 +32,7 @@ def simulate(
     ] = None,
     config: Annotated[
         str | None,
-        typer.Option(
-            help="TOML file or preset name (paper): the run's settings (docs/studies.md); flags win."
-        ),
+        typer.Option(help="TOML file or preset name (paper): the run's settings (docs/studies.md); flags win."),
     ] = None,
     model: Annotated[str | None, typer.Option(help="smollm2-135m, tiny or a local folder.")] = None,
     clients: Annotated[int | None, typer.Option(help="Number of simulated edges.")] = None,

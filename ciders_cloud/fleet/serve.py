@@ -28,8 +28,8 @@ from ciders_cloud.run_folder import CertsFolder, RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError, StateError
-from ciders_edge.fleet.join import flower_env, flower_tool, stop_on_sigterm
 from ciders_edge.fleet.lifetime import guarded
+from ciders_edge.fleet.processes import flower_env, flower_tool, stop_on_sigterm
 from ciders_edge.progress import console
 
 __all__ = ["ServeSettings", "serve", "control_address"]

@@ -8,9 +8,7 @@ with ``--isolation process`` and its Runtime API on 127.0.0.1: the tasks it queu
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,11 +21,12 @@ from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.edge import EdgeConfig
 from ciders_edge.fleet.keys import ensure_node_key
 from ciders_edge.fleet.lifetime import guarded
+from ciders_edge.fleet.processes import flower_env, flower_tool, stop_on_sigterm
 from ciders_edge.fleet.tls import check_server_certificate
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console, status
 
-__all__ = ["join", "flower_tool", "flower_env", "stop_on_sigterm"]
+__all__ = ["join"]
 
 NOT_ADMITTED = 305  # flower-supernode: the SuperLink refused to activate this node
 EXIT_CODE = re.compile(r"Exit Code: (\d+)")
@@ -151,32 +150,6 @@ def _wait_for_server(address: tuple[str, int], server: str) -> None:
                 return
             except OSError:
                 time.sleep(2.0)
-
-
-def flower_env(home: Path) -> dict[str, str]:
-    """The environment for Flower's programs: its home, and this environment's ``bin`` first on
-    PATH, since they start their helpers (``flwr-clientapp``, ...) by bare name."""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return {**os.environ, "FLWR_HOME": str(home.resolve()), "PATH": path}
-
-
-def stop_on_sigterm() -> None:
-    """Turn SIGTERM (systemd, docker stop, kill) into KeyboardInterrupt, so the Flower processes we
-    started are stopped on the way out instead of left running."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-
-
-def flower_tool(name: str) -> str:
-    """A Flower executable from this Python's environment."""
-    sibling = Path(sys.executable).parent / name
-    found = str(sibling) if sibling.is_file() else shutil.which(name)
-    if not found:
-        raise ConfigError(f"{name} not found: install the toolkit (it depends on flwr) in this environment")
-    return found
 
 
 def _free_port() -> int:

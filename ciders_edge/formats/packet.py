@@ -29,9 +29,10 @@ from ciders_edge.formats.atomic import write_bytes
 from ciders_edge.formats.packet_header import CODECS, PacketHeader, parse_header
 from ciders_edge.tensors import Tensors
 
-__all__ = ["Packet", "PacketHeader", "CODECS", "MAGIC", "consensus_digest"]
+__all__ = ["Packet", "PacketHeader", "CODECS", "MAGIC", "PROBE_KIND", "consensus_digest"]
 
 MAGIC = b"CIDERSPK"
+PROBE_KIND = "gradients"  # metrics["kind"] of FedNest's probe packet (a Δc packet has none)
 FORMAT_VERSION = 1
 TAG_BYTES = 32
 MAX_HEADER = 1 << 24

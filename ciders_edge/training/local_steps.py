@@ -10,7 +10,6 @@ losses of the tests) is adapted, so both run the same loop.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from torch import Tensor
 
 from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
+from ciders_edge.schedule import lr_multiplier
 from ciders_edge.tensors import FlatLayout, Tensors, add, sub
 from ciders_edge.training.equations import (
     consensus_update,
@@ -32,7 +32,7 @@ from ciders_edge.training.equations import (
     trajectory_gradient,
 )
 
-__all__ = ["Objective", "FlatObjective", "LocalResult", "local_update", "warmup_cosine", "mean_lr_multiplier"]
+__all__ = ["Objective", "FlatObjective", "LocalResult", "local_update"]
 
 
 class Objective(Protocol):
@@ -71,24 +71,6 @@ class LocalResult:
     first_direction: Tensors = field(default_factory=dict)  # the FO/FD direction at x_0, for diagnostics
 
 
-def warmup_cosine(step: int, total: int, warmup: int) -> float:
-    """Learning-rate multiplier: linear warmup to 1, then cosine decay to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def mean_lr_multiplier(hp: RoundHyperparams) -> float:
-    """The schedule's mean over the K steps: a constant term added to every local gradient moves
-    Delta_i by this times the term (exactly so with SGD)."""
-    return sum(_lr_multiplier(k, hp) for k in range(hp.local_steps)) / hp.local_steps
-
-
-def _lr_multiplier(step: int, hp: RoundHyperparams) -> float:
-    return warmup_cosine(step, hp.local_steps, min(hp.warmup_steps, hp.local_steps - 1))
-
-
 def local_update(
     v: Tensors,
     c: Tensors,
@@ -116,7 +98,7 @@ def local_update(
     h = packer.pack(control) if control is not None else None
     x = torch.nn.Parameter(packer.pack(x0) if x0 else fv.clone())
     opt = _optimizer(x, hp)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_multiplier(s, hp))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, hp))
     consensus_gap = torch.linalg.vector_norm(fc - fci, dtype=torch.float64)  # |c - c_i|, fixed within a round
     steps, first = [], None
     with obj.rng_scope():

@@ -29,9 +29,7 @@ from ciders_edge.training.equations import reconstruct_displacement
 from ciders_edge.training.local_steps import LocalResult, local_update
 from ciders_edge.training.objective import MessengerObjective
 
-PROBE_KIND = "gradients"  # metrics["kind"] of FedNest's probe packet
-
-__all__ = ["RoundOutput", "train_round", "run_round", "load_round", "check_state", "round_hyperparams", "PROBE_KIND"]
+__all__ = ["RoundOutput", "train_round", "run_round", "load_round", "check_state", "round_hyperparams"]
 
 
 @dataclass

@@ -22,12 +22,12 @@ from ciders_edge.formats.atomic import append_jsonl, pending_bytes, write_bytes
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 from ciders_edge.formats.lock import folder_lock
-from ciders_edge.formats.packet import Packet
+from ciders_edge.formats.packet import PROBE_KIND, Packet
 from ciders_edge.progress import console
 from ciders_edge.tensors import Tensors
 from ciders_edge.training.bilevel import client_gradients
 from ciders_edge.training.local_steps import LocalResult
-from ciders_edge.training.round import PROBE_KIND, RoundOutput, check_state, load_round, round_seed, run_round
+from ciders_edge.training.round import RoundOutput, check_state, load_round, round_seed, run_round
 
 __all__ = ["train", "probe", "UNSENT_PACKET"]
 
