@@ -104,8 +104,9 @@ def _use(b: Bundle) -> None:
     RoundHyperparams.from_dict(m["hyperparameters"])
     DeviceProfile.from_dict(m["profile"])
     assert DTYPES[m["dtype"]] is not None and m.get("deploy_backbone", "emu") in ("emu", "full")
-    assert isinstance(m["base_model"]["id"] + m["base_model"]["revision"][:12] + m["profile"]["name"], str)
-    assert sum((b.path / f).stat().st_size for f in m["files"]) > 0 and b.has_full_backbone in (True, False)
+    names = (m["base_model"]["id"], m["base_model"]["revision"], m["profile"]["name"])  # in the edge's messages
+    assert all(isinstance(n, str) for n in names), names
+    assert sum((b.path / f).stat().st_size for f in m["files"]) > 0 and isinstance(b.has_full_backbone, bool)
     b.base_weights()  # the weights decode as the storage record says (Bundle.load checked that it fits)
 
 
