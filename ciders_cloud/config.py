@@ -213,10 +213,6 @@ class RunConfig(ConfigMixin):
     def takd_config(self) -> TakdConfig:
         return TakdConfig.from_dict(self.takd)
 
-    @property
-    def round_hyperparams(self) -> RoundHyperparams:
-        return RoundHyperparams.from_dict(self.hyperparameters)
-
 
 def parse_profile_mix(text: str) -> dict[str, int]:
     """``"cpu-laptop:3,rpi5-8gb:2"`` as ``{"cpu-laptop": 3, "rpi5-8gb": 2}`` (order kept)."""

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.config import RunConfig
 from ciders_cloud.config_file import load_config
+from ciders_cloud.strategies import round_hyperparams_for
 from ciders_edge.cli import app as edge
 from ciders_edge.config import RoundHyperparams, check_value
 from ciders_edge.errors import ConfigError
@@ -90,7 +91,7 @@ def test_paper_preset_means_the_same_to_prepare_and_simulate():
         "protocol-c",
     )
     run = RunConfig.from_dict({**prep, "public_data": "p.jsonl"}, strict=True)  # every key is the run's
-    assert run.client_ids == [] and run.round_hyperparams.local_steps == 10
+    assert run.client_ids == [] and round_hyperparams_for(run, 0).local_steps == 10  # what round 0 ships
 
 
 def test_prepare_takes_client_ids_and_simulate_refuses_prepare_keys(tmp_path):
