@@ -1,0 +1,91 @@
+"""Each strategy's round, on tensors small enough to compute by hand: what it ships to edges, what its
+server step makes of the displacements (eq. 12), and how much TAKD follows (eq. 13)."""
+
+import pytest
+import torch
+
+from ciders_cloud.strategies import STRATEGIES, get_strategy
+from ciders_edge.config import RoundHyperparams
+from ciders_edge.errors import ConfigError
+from ciders_edge.training.equations import consensus_update, displacement, trajectory_gradient
+
+HP = RoundHyperparams(local_steps=2, eta=0.5, tau=0.1, alpha=0.2, gamma=0.05, eps_prox=0.0, takd_steps=3)
+
+
+def t(*values: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.tensor(values, dtype=torch.float64)}
+
+
+def step(name: str, v, c, deltas, weights):
+    s = get_strategy(name)
+    return s.server_step(v, c, deltas, weights, s.round_hyperparams(HP, 1, "constant"))
+
+
+def test_ciders_moves_v_by_tau_k_eta_and_c_by_alpha():
+    # p = (0.25, 0.75); sum p Delta = 0.25 * (4, 0) + 0.75 * (0, 8) = (1, 6)
+    v, c = step("ciders-fo", t(1.0, 1.0), t(2.0, 0.0), [t(4.0, 0.0), t(0.0, 8.0)], [0.25, 0.75])
+    assert torch.allclose(v["w"], torch.tensor([1.0 - 0.1 * 1, 1.0 - 0.1 * 6], dtype=torch.float64))  # tau K eta = 0.1
+    assert torch.allclose(c["w"], torch.tensor([0.8 * 2 + 0.2 * 1, 0.2 * 6], dtype=torch.float64))
+    fd = step("ciders-fd", t(1.0, 1.0), t(2.0, 0.0), [t(4.0, 0.0), t(0.0, 8.0)], [0.25, 0.75])
+    assert all(torch.equal(a["w"], b["w"]) for a, b in zip(fd, (v, c), strict=True))  # FD differs on the edge only
+
+
+def test_fedavg_averages_the_clients_models():
+    """tau = 1: v becomes the weighted mean of the clients' x_K, whatever K and eta are."""
+    v0 = t(0.0, 0.0)
+    x = [t(1.0, 2.0), t(3.0, 6.0)]
+    hp = get_strategy("fedavg").round_hyperparams(HP, 1, "constant")
+    deltas = [displacement(v0, xk, hp.local_steps, hp.eta) for xk in x]
+    v, _ = step("fedavg", v0, t(0.0, 0.0), deltas, [0.5, 0.5])
+    assert torch.allclose(v["w"], torch.tensor([2.0, 4.0], dtype=torch.float64))
+    assert (hp.tau, hp.gamma, hp.eta_in, hp.eps_prox) == (1.0, 0.0, 0.0, 0.0)
+
+
+def test_scaffold_is_ciders_with_gamma_and_alpha_one():
+    """Option II control variates: the edge follows g - c_i + c, then c_i <- c_i - c + Delta_i; with full
+    participation the server's c becomes mean Delta_i (Karimireddy et al., eq. 4-5)."""
+    hp = get_strategy("scaffold").round_hyperparams(HP, 1, "constant")
+    g, c, c_i, x, v = t(1.0, -2.0), t(0.5, 0.5), t(0.25, 1.0), t(3.0, 3.0), t(3.0, 3.0)
+    assert torch.equal(trajectory_gradient(g, x, v, c, c_i, hp.gamma, hp.eps_prox)["w"], (g["w"] - c_i["w"] + c["w"]))
+    delta = t(2.0, 4.0)
+    assert torch.equal(consensus_update(c_i, delta, c, hp.alpha, hp.gamma)["w"], c_i["w"] - c["w"] + delta["w"])
+    _, c_new = step("scaffold", v, c, [t(2.0, 4.0), t(0.0, 2.0)], [0.5, 0.5])
+    assert torch.equal(c_new["w"], torch.tensor([1.0, 3.0], dtype=torch.float64))
+
+
+def test_localot_aggregates_nothing_and_edges_continue_their_own_messenger():
+    v, c = t(1.0, 2.0), t(0.5, 0.5)
+    got_v, got_c = step("localot", v, c, [t(9.0, 9.0)], [1.0])
+    assert got_v is v and got_c is c
+    assert get_strategy("localot").round_hyperparams(HP, 1, "constant").start_from == "personalized"
+
+
+@pytest.mark.parametrize(
+    ("name", "shipped", "takd"),
+    [
+        ("ciders-fo", {"solver": "fo", "gamma": 0.05, "tau": 0.1}, (3, None)),
+        ("ciders-fd", {"solver": "fd", "gamma": 0.05}, (3, None)),
+        ("fedavg", {"solver": "fo", "gamma": 0.0, "tau": 1.0}, (0, None)),
+        ("scaffold", {"gamma": 1.0, "alpha": 1.0, "eta_in": 0.0}, (0, None)),
+        ("fedot", {"gamma": 0.0, "tau": 1.0}, (0, None)),
+        ("fedbiot", {"eps_prox": 0.01, "tau": 1.0}, (3, 0.0)),  # MSE + KL re-alignment, no task CE
+        ("localot", {"start_from": "personalized"}, (0, None)),
+        ("fednest", {"solver": "svrg", "tau": 1.0}, (3, None)),
+        ("lfednest", {"solver": "fo", "send_grad_y": True}, (3, None)),
+    ],
+)
+def test_what_each_strategy_ships_and_distils(name, shipped, takd):
+    s = get_strategy(name)
+    hp = s.round_hyperparams(HP, 1, "constant")
+    assert {k: getattr(hp, k) for k in shipped} == shipped
+    assert s.takd(hp) == takd
+    assert s.probes == (name == "fednest")
+
+
+def test_protocol_c_schedules_gamma_and_an_unknown_name_is_refused():
+    assert get_strategy("ciders-fo").round_hyperparams(HP, 0, "protocol-c").gamma == 0.9
+    assert get_strategy("ciders-fo").round_hyperparams(HP, 3, "protocol-c").gamma == pytest.approx(0.9 * 0.86**2)
+    assert set(STRATEGIES) == {"ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedot", "fedbiot", "localot",
+                               "fednest", "lfednest"}  # fmt: skip
+    with pytest.raises(ConfigError, match="unknown algorithm 'fedprox'"):
+        get_strategy("fedprox")
