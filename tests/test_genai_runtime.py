@@ -111,7 +111,7 @@ def test_int4_quantizes_the_tied_embedding_once_and_agrees(genai, torch_rt):
     assert len(_tokens(rt, FIXED)) == 12
 
 
-def test_infer_from_a_bundle_runs_a_genai_int8_export_made_once(trained, tmp_path, monkeypatch):
+def test_infer_from_a_bundle_runs_a_genai_int8_export_made_once(trained, demo_dir, tmp_path, monkeypatch):
     """Said nothing, `infer --bundle --state` answers in the fastest runtime installed: it exports the
     model for GenAI (int8) on first use, reuses it while the messenger is the same, and --runtime torch
     still answers in torch without an export."""
@@ -133,6 +133,16 @@ def test_infer_from_a_bundle_runs_a_genai_int8_export_made_once(trained, tmp_pat
     assert r.exit_code == 0 and json.loads(r.stdout.strip().splitlines()[-1])["runtime"] == "torch"
     glob = runner.invoke(edge_app, [a for a in args if a != str(state) and a != "--state"] + ["--global"])
     assert json.loads(glob.stdout.strip().splitlines()[-1])["export"]["path"] != folder  # another messenger
+
+    data = str(demo_dir / "units" / "eval.jsonl")
+    scored = ["evaluate", "--bundle", str(bundle), "--state", str(state), "--data", data, "--backbone", "emu"]
+    r = runner.invoke(edge_app, [*scored, "--limit", "2", "--max-new-tokens", "3", "--runtime", "genai", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["results"]
+    assert [row.get("runtime") for row in rows] == [None, "genai-int8"]  # torch's row, then the export's
+    assert len(list((tmp_path / "exports").iterdir())) == 2  # the same export as infer's, none made again
+    r = runner.invoke(edge_app, [*scored, "--runtime", "llamacpp"])
+    assert r.exit_code == 1 and "--runtime for evaluate is genai" in r.output
 
 
 def test_stops_at_the_end_of_turn_and_honours_min_new_tokens(genai, tmp_path):

@@ -120,6 +120,18 @@ def _default_export(bundle, state, use_global, backbone, base_model) -> tuple[Pa
     return None, None
 
 
+def _runtime_exports(runtime: str, exports: list, states: list, bundle, backbone, base_model) -> list:
+    """``evaluate --runtime genai``: each state's cached GenAI export, scored beside the torch rows."""
+    if runtime != "genai":
+        raise ConfigError(f"--runtime for evaluate is genai (torch rows are always scored), got {runtime!r}")
+    if exports or not states:
+        raise ConfigError("--runtime genai scores each --state's export: pass --state, and no --export")
+    made = [_default_export(bundle, s, False, backbone, base_model)[0] for s in states]
+    if None in made:
+        raise ConfigError("--runtime genai needs the exporter (the toolkit's `export` package) installed")
+    return made
+
+
 def _on_cpu(profile) -> bool:
     """Whether torch would run on the CPU: there GenAI's loop is faster; on a GPU, torch's compiled decode is."""
     from ciders_edge.profiles import pick_device
@@ -147,6 +159,12 @@ def evaluate(
             "--export", help="An export of a --state's model (repeatable: one per --state), scored in its runtime."
         ),
     ] = None,
+    runtime: Annotated[
+        str | None,
+        typer.Option(
+            help="genai: also score each --state's model in ONNX Runtime GenAI, through infer's cached int8 export."
+        ),
+    ] = None,
     limit: Annotated[int | None, typer.Option(help="Score only the first N records of each file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens per generated answer.")] = 64,
     profile: Annotated[str | None, typer.Option(help="Device profile: dtype and device.")] = None,
@@ -167,6 +185,8 @@ def evaluate(
             raise ConfigError(f"pass one --export per --state (got {len(exports)} --export for {len(states)} --state)")
         check_limit("limit", limit, "--limit")
         check_limit("max_new_tokens", max_new_tokens, "--max-new-tokens")
+        if runtime is not None:  # bad flags fail before the exports are made
+            exports = _runtime_exports(runtime, exports, states, bundle, backbone, base_model)
         b = Bundle.load(bundle)
         if compare:
             models = list(COMPARE)
