@@ -179,18 +179,20 @@ def _readme(entry: dict, source: dict, name: str) -> str:
     model = "AdapFu" if source.get("backbone") == "full" else "AdapEmu"
     if entry["kind"] == "adapter":
         base = entry["base"]
-        run = f"llama-cli -m {_from(entry)} --lora {entry['adapter']} -cnv"
+        run = f"llama-cli -m {_from(entry)} --lora {entry['adapter']} -cnv -ctk f32 -ctv f32"
         what = (
             f"a LoRA adapter ({entry['adapter']}) for the base GGUF {base['name']} "
             f"(sha256 {base['sha256']}; the adapter is wrong on any other file)"
         )
     else:
-        run = f"llama-cli -m {entry['model']} -cnv"
+        run = f"llama-cli -m {entry['model']} -cnv -ctk f32 -ctv f32"
         what = f"the whole model in one GGUF ({entry['model']})"
     return (
         f"# Personalized {model} of {who} (bundle {source['bundle_id'][:12]}, round {source['round']})\n\n"
         f"This folder holds {what}, an ollama Modelfile and manifest.json (sha256 of every file).\n"
         f"Run it from this folder:\n\n"
         f"    ollama create {tag} -f Modelfile && ollama run {tag}\n"
-        f"    {run}\n"
+        f"    {run}\n\n"
+        "`-ctk f32 -ctv f32` keeps the KV cache in float32, as `ciders-edge infer` and torch do (llama.cpp's default\n"
+        "is float16, which costs this small model a little exact match).\n"
     )

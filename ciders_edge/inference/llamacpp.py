@@ -23,7 +23,8 @@ from ciders_edge.inference.generation import GenerationSettings
 __all__ = ["LlamaCppDecoder", "llamacpp_available", "GGUF_MAGIC", "check_gguf"]
 
 GGUF_MAGIC = b"GGUF"
-MAX_CONTEXT = 4096  # the KV cache llama.cpp allocates up front: SmolLM2's 8192 would cost 190 MB more
+MAX_CONTEXT = 4096  # the KV cache llama.cpp allocates up front (f32: 190 MB for SmolLM2; its 8192 would double it)
+GGML_TYPE_F32 = 0  # ggml_type, as llama_cpp.GGML_TYPE_F32 (this module imports llama_cpp only to decode)
 
 
 def llamacpp_available() -> bool:
@@ -69,6 +70,8 @@ class LlamaCppDecoder:
             n_ctx=self.context,
             n_threads=threads,
             n_threads_batch=threads,
+            type_k=GGML_TYPE_F32,  # the KV cache in float32, as torch keeps it: llama.cpp's default f16 cache
+            type_v=GGML_TYPE_F32,  # scored 43/50 against torch's 46/50 on the demo's dates edge, f32 44/50
             verbose=False,
         )
         self.stop_ids = set(stop_ids)
@@ -85,7 +88,10 @@ class LlamaCppDecoder:
             min_p=0.0,
             temp=0.0 if greedy else settings.temperature,
             repeat_penalty=1.0,
-            logits_processor=[self._hold_stop(len(prompt_ids), settings.min_new_tokens)],
+            # only when asked: a processor copies every step's logits out to numpy
+            logits_processor=[self._hold_stop(len(prompt_ids), settings.min_new_tokens)]
+            if settings.min_new_tokens
+            else None,
         )
         for n, token in enumerate(tokens, 1):
             yield token
