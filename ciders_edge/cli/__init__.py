@@ -7,6 +7,12 @@ commands through the ``ciders_edge.commands`` entry-point group (``export`` adds
 
 from __future__ import annotations
 
+import os
+
+# libraries' own tqdm bars (transformers' GGUF loader, the GenAI builder) are noise beside ours; tqdm reads
+# this when first imported, and torch imports it, so it is set before anything else loads
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 from importlib.metadata import entry_points
 
 import typer
