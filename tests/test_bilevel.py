@@ -7,6 +7,7 @@ grad F(x) = mu (x - a) + B'H^-1 (y*(x) - b)      (a, b: the clients' weighted me
 
 import pytest
 import torch
+from flat_objective import AsFlat
 
 from ciders_cloud.hypergradient import (
     autograd_second_order,
@@ -138,7 +139,7 @@ def _run(algorithm, rounds=100, local_steps=5, inner_steps=20):
         if strategy.probes:  # FedNest: the global hypergradient before the local steps
             h = add({"x": sum(w * MU * (x["x"] - a) for w, (a, _) in zip(weights, clients, strict=True))}, q)
         zero = {"x": torch.zeros(DX, dtype=torch.float64)}
-        deltas = [local_update(x, zero, zero, Client(a, b, y["y"]), hp, control=h).delta for a, b in clients]
+        deltas = [local_update(x, zero, zero, AsFlat(Client(a, b, y["y"]), x), hp, control=h).delta for a, b in clients]
         if hp.send_grad_y:  # LFedNest: the cloud adds the indirect term
             deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]
         x, _ = strategy.server_step(x, zero, deltas, weights, hp)
@@ -173,10 +174,11 @@ def test_fednest_svrg_step_is_the_paper_correction():
     zero = {"x": torch.zeros(DX, dtype=torch.float64)}
     client = Client(a, b, torch.zeros(DY, dtype=torch.float64))
     own = {"x": MU * (x["x"] - a)}
-    svrg = local_update(x, zero, zero, client, hp, control=own).x_final
-    plain = local_update(x, zero, zero, client, hp.replace(solver="fo")).x_final
+    svrg = local_update(x, zero, zero, AsFlat(client, x), hp, control=own).x_final
+    plain = local_update(x, zero, zero, AsFlat(client, x), hp.replace(solver="fo")).x_final
     torch.testing.assert_close(svrg["x"], plain["x"])
-    shifted = local_update(x, zero, zero, client, hp, control=add(own, {"x": torch.ones(DX, dtype=torch.float64)}))
+    moved = add(own, {"x": torch.ones(DX, dtype=torch.float64)})
+    shifted = local_update(x, zero, zero, AsFlat(client, x), hp, control=moved)
     assert norm(sub(shifted.x_final, plain)) > 0.1
     with pytest.raises(ConfigError, match="hypergradient"):
-        local_update(x, zero, zero, client, hp)
+        local_update(x, zero, zero, AsFlat(client, x), hp)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from flat_objective import AsFlat
 
 from ciders_cloud.aggregation import aggregate, participation_weights, reconstruct_displacement
 from ciders_cloud.study.diagnostics import decompose, psi
@@ -62,7 +63,7 @@ def test_prop2_dr_and_ppr_follow_psi_t():
         # each client's FO direction at the look-ahead point from x_0 = v
         g = [q.gradient(add(v, q.gradient(v, None)[1], -hp.eta_in), None)[1]["w"] for q in clients]
         g_mean = sum(g) / n
-        results = [local_update(v, c, c_i[i], clients[i], hp) for i in range(n)]
+        results = [local_update(v, c, c_i[i], AsFlat(clients[i], v), hp) for i in range(n)]
         deltas = []
         for i, r in enumerate(results):
             u = r.delta["w"]  # K=1, SGD: Delta_i is exactly the reference direction u_i^t
@@ -106,7 +107,7 @@ def test_reconstruction_and_consensus_copies_over_five_rounds(codec):
     v, c = {"w": torch.randn(5, 3)}, {"w": torch.zeros(5, 3)}
     client_ci = server_ci = {"w": torch.zeros(5, 3)}
     for t in range(5):
-        r = local_update(v, c, client_ci, client, hp)
+        r = local_update(v, c, client_ci, AsFlat(client, v), hp)
         wire = Packet("c0", t, "b" * 64, codec, 10, r.dc).to_bytes()
         sent = Packet.from_bytes(wire).tensors
         client_view = reconstruct_displacement(sent, client_ci, c, hp.alpha, hp.gamma)
@@ -141,6 +142,6 @@ def test_proximal_term_pulls_towards_v():
 
     v = {"w": torch.zeros(3)}
     c, c_i = {"w": torch.ones(3)}, {"w": torch.zeros(3)}
-    r = local_update(v, c, c_i, Flat(), _hp(local_steps=5, gamma=0.5, eps_prox=0.5, eta_in=0.0))
+    r = local_update(v, c, c_i, AsFlat(Flat(), v), _hp(local_steps=5, gamma=0.5, eps_prox=0.5, eta_in=0.0))
     # gamma (c - c_i) pushes x negative, eps_prox (x - v) pulls it back: |x| < 5 * eta * gamma
     assert (r.x_final["w"] < 0).all() and (r.x_final["w"] > -5 * 0.1 * 0.5).all()

@@ -3,15 +3,14 @@
 The loop keeps the messenger LoRA as one flat tensor (x_k, v, c, c_i and every gradient): each
 term of eq. (4)–(10) is one op whatever the number of LoRA tensors, the optimizer steps a single
 parameter, and the step's metrics stay on the device until they are read, once per step (once per
-call when no one watches the steps). An objective over flat points (:class:`FlatObjective`, the LLM
-messenger) is used as it is; one over ``dict[str, Tensor]`` (:class:`Objective`, the quadratic
-losses of the tests) is adapted, so both run the same loop.
+call when no one watches the steps). The objective takes flat points too (:class:`FlatObjective`:
+the LLM messenger's, or a test's quadratic loss).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,21 +31,12 @@ from ciders_edge.training.equations import (
     trajectory_gradient,
 )
 
-__all__ = ["Objective", "FlatObjective", "LocalResult", "local_update"]
-
-
-class Objective(Protocol):
-    """A client's loss L_i: draws mini-batches and evaluates gradients at any messenger point."""
-
-    def batch(self) -> Any:
-        """The next mini-batch xi_k, with whatever frozen features it can reuse across passes."""
-
-    def gradient(self, x: Tensors, batch: Any) -> tuple[float, Tensors]:
-        """Loss and gradient of L_i at ``x`` on ``batch`` (``x`` is not modified)."""
+__all__ = ["FlatObjective", "LocalResult", "local_update"]
 
 
 class FlatObjective(Protocol):
-    """An :class:`Objective` that takes points as one flat tensor in ``layout`` order, on ``device``."""
+    """A client's loss L_i over messenger points given as one flat tensor in ``layout`` order, on ``device``:
+    it draws mini-batches and evaluates gradients at any point."""
 
     layout: FlatLayout
     device: torch.device
@@ -75,7 +65,7 @@ def local_update(
     v: Tensors,
     c: Tensors,
     c_i: Tensors,
-    objective: Objective | FlatObjective,
+    objective: FlatObjective,
     hp: RoundHyperparams,
     on_step: Callable[[dict], None] | None = None,
     x0: Tensors | None = None,
@@ -91,7 +81,7 @@ def local_update(
     """
     if hp.solver == "svrg" and control is None:
         raise ConfigError("the svrg solver needs the round's global hypergradient (FedNest's h)")
-    obj = _as_flat(objective, v)
+    obj = objective
     packer = _Packer.of(obj, v)
     fixed = packer.pack(v), packer.pack(c), packer.pack(c_i)  # v, c, c_i: one flat tensor each
     fv, fc, fci = fixed
@@ -208,29 +198,6 @@ def _read_metrics(steps: list[dict]) -> None:
     values = torch.stack([m[k] if m[k].dtype == torch.float64 else m[k].double() for m, k in slots]).tolist()
     for (m, k), value in zip(slots, values, strict=True):
         m[k] = value
-
-
-class _DictObjective:
-    """An :class:`Objective` over dicts, seen as a :class:`FlatObjective` (points handed over as views)."""
-
-    def __init__(self, objective: Objective, layout: FlatLayout, device: torch.device) -> None:
-        self.objective, self.layout, self.device = objective, layout, device
-
-    def batch(self) -> Any:
-        return self.objective.batch()
-
-    def flat_gradient(self, x: Tensor, batch: Any) -> tuple[float, Tensor]:
-        loss, g = self.objective.gradient(self.layout.unflatten(x), batch)
-        return loss, self.layout.flatten(g, dtype=x.dtype, device=x.device)
-
-    def rng_scope(self) -> AbstractContextManager:
-        return nullcontext()
-
-
-def _as_flat(objective: Objective | FlatObjective, v: Tensors) -> FlatObjective:
-    if hasattr(objective, "flat_gradient"):
-        return objective
-    return _DictObjective(objective, FlatLayout.of(v), next(iter(v.values())).device)
 
 
 def _optimizer(x: torch.nn.Parameter, hp: RoundHyperparams) -> torch.optim.Optimizer:
