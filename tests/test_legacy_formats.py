@@ -1,6 +1,6 @@
 """Files written by an earlier release keep loading and score the same.
 
-``tests/edge/fixtures/legacy`` holds a bundle, a client state, a Δc packet and an export written by the code
+``tests/fixtures/legacy`` holds a bundle, a client state, a Δc packet and an export written by the code
 of e8c23f4 (before the issue-17 layout; ``make_fixture.sh`` says how), with the numbers that code
 computed from them in ``expected.json``. Every format here is read by today's code through the CLI.
 """

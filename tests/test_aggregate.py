@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import fast_run_config
-from hostile_packets import forge, zeros_frame
+from test_packet import _forge, _zeros_frame
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
@@ -102,7 +102,7 @@ def _claiming_2gib(packet_file: str, out, frame: bytes | None = None) -> tuple[s
     (hlen,) = struct.unpack_from("<I", data, 9)
     header = json.loads(data[13 : 13 + hlen])
     header["tensors"] = [{**header["tensors"][0], "shape": [1 << 29]}]
-    out.write_bytes(forge(header, zeros_frame(2 << 30) if frame is None else frame))
+    out.write_bytes(_forge(header, _zeros_frame(2 << 30) if frame is None else frame))
     return str(out), header["tensors"][0]["name"]
 
 
