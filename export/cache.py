@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.checksums import sha256_file
 from ciders_edge.formats.client_state import CURRENT, PERSONALIZED_FILE
 from ciders_edge.formats.export_folder import MANIFEST
 from ciders_edge.inference.personalize import resolve_backbone
@@ -73,11 +74,7 @@ def _key(b: Bundle, state: str | Path | None, use_global: bool, backbone: str, b
 
 
 def _file_digest(path: Path) -> str:
-    try:
-        with path.open("rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except FileNotFoundError:
-        return "none"  # no personalized messenger yet: open_runtime says so, with the state's path
+    return sha256_file(path) if path.is_file() else "none"  # no messenger yet: open_runtime says so, with the path
 
 
 def _prune(keep: Path) -> None:
