@@ -81,8 +81,7 @@ def local_update(
     """
     if hp.solver == "svrg" and control is None:
         raise ConfigError("the svrg solver needs the round's global hypergradient (FedNest's h)")
-    obj = objective
-    packer = _Packer.of(obj, v)
+    packer = _Packer.of(objective, v)
     fixed = packer.pack(v), packer.pack(c), packer.pack(c_i)  # v, c, c_i: one flat tensor each
     fv, fc, fci = fixed
     h = packer.pack(control) if control is not None else None
@@ -91,11 +90,11 @@ def local_update(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, hp))
     consensus_gap = torch.linalg.vector_norm(fc - fci, dtype=torch.float64)  # |c - c_i|, fixed within a round
     steps, first = [], None
-    with obj.rng_scope():
+    with objective.rng_scope():
         for k in range(hp.local_steps):
             metrics = {"step": k + 1, "steps": hp.local_steps, "lr": opt.param_groups[0]["lr"]}
             metrics["consensus_gap"] = consensus_gap
-            g = _direction(x.detach(), obj, hp, metrics, fv, h)
+            g = _direction(x.detach(), objective, hp, metrics, fv, h)
             first = g if first is None else first
             _step(x, g, fixed, hp, metrics, opt)
             sched.step()
