@@ -1,6 +1,8 @@
 """`simulate` on tiny through the real train/aggregate code; every algorithm; FedAvg equivalence."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,8 +43,26 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+GOLDEN = Path(__file__).parent / "fixtures" / "simulate_metrics.json"
+UNPINNED = ("wall_s", "bytes_down")  # a clock, and the bundles' size (their manifest may gain or lose a field)
+
+
+def _pinned(rows: list[dict]) -> str:
+    """The metrics a refactor must keep bit for bit, as text (``NaN`` compares equal to itself there)."""
+    return json.dumps([{k: v for k, v in r.items() if k not in UNPINNED} for r in rows], sort_keys=True)
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-for-bit figures need one reduction order: xdist's workers already run one thread; serial runs too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("algorithm", sorted(STRATEGIES))
-def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm):
+def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm, one_thread):
     out = tmp_path / algorithm
     bilevel = {"neumann_terms": 3, "neumann_l": 50.0, "probe_batches": 1} if "nest" in algorithm else {}
     summary = simulate(_cfg(demo_dir, algorithm=algorithm, participation=0.67, hyperparameters=bilevel), out)
@@ -66,6 +86,16 @@ def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm):
         assert all(r["r_fd"] is not None and r["r_fd"] >= 0 for r in clients)
     if algorithm in ("fednest", "lfednest"):
         _check_bilevel_rounds(out, rows, algorithm)
+    _check_golden(algorithm, rows)
+
+
+def _check_golden(algorithm: str, rows: list[dict]) -> None:
+    """Every figure as recorded before the cloud's refactor; ``CIDERS_UPDATE_GOLDEN=1`` records them anew."""
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    if os.environ.get("CIDERS_UPDATE_GOLDEN"):
+        golden[algorithm] = json.loads(_pinned(rows))
+        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    assert _pinned(rows) == _pinned(golden[algorithm]), f"{algorithm}: simulate's metrics moved"
 
 
 def _check_bilevel_rounds(out, rows, algorithm):
