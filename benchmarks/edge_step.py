@@ -74,7 +74,7 @@ def _step_peak(base: float) -> float:
 
 
 def _ciders_step(args, edge, examples, v: dict, zeros: dict):
-    from ciders_edge.config import RoundHyperparams
+    from ciders_edge.hyperparams import RoundHyperparams
     from ciders_edge.training.local_steps import local_update
     from ciders_edge.training.objective import MessengerObjective
 

@@ -129,8 +129,8 @@ def build_bundle(work: Path, model: Path, profile: str, size: dict) -> tuple[Pat
 
 def edge_step(bundle: Path, dtype: torch.dtype, device: torch.device, method: str, shape, args) -> dict:
     """One method's step at ``shape`` (batch, seq_len): the same four methods as ``edge_step.py``."""
-    from ciders_edge.config import RoundHyperparams
     from ciders_edge.formats.bundle import Bundle
+    from ciders_edge.hyperparams import RoundHyperparams
     from ciders_edge.model.adapemu import load_edge_model
     from ciders_edge.training.local_steps import local_update
     from ciders_edge.training.objective import MessengerObjective

@@ -57,7 +57,7 @@ def main() -> None:
             max_records=args.max_records,
             public_data=str(public),
             align_steps=args.align_steps,
-            hyperparameters=bilevel if "nest" in alg else {},
+            fednest=bilevel if "nest" in alg else {},
         )
         rows = run_simulate(cfg, args.out / alg)  # resumable: a finished algorithm is read back
         scores = final_scores(rows)

@@ -8,11 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciders_cloud.strategies import STRATEGIES, get_strategy
-from ciders_edge.config import ConfigMixin, RoundHyperparams, check_limit, check_value
+from ciders_cloud.strategies import STRATEGIES, FedNestSettings, get_strategy
+from ciders_edge.config import ConfigMixin, check_limit, check_value
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.packet import CODECS
 from ciders_edge.formats.storage import STORAGES
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.lora import LoraSettings
 
 __all__ = [
@@ -92,6 +93,7 @@ class RunConfig(ConfigMixin):
         "backbone_lora": LoraSettings,
         "takd": TakdConfig,
         "hyperparameters": RoundHyperparams,
+        "fednest": FedNestSettings,
     }
 
     model: str = "smollm2-135m"
@@ -112,6 +114,7 @@ class RunConfig(ConfigMixin):
     takd: dict = field(default_factory=lambda: TakdConfig().to_dict())
     hyperparameters: dict = field(default_factory=lambda: RoundHyperparams().to_dict())
     algorithm: str = "ciders-fo"  # a strategy in ciders_cloud.strategies
+    fednest: dict = field(default_factory=dict)  # FedNest's and LFedNest's settings (FedNestSettings' keys)
     gamma_schedule: str = "constant"  # constant (hyperparameters.gamma) | protocol-c
     client_ids: list[str] = field(default_factory=list)  # the accepted clients; empty: any
     storage: str = ""  # how bundles store frozen weights (fp32, bf16, int8, int4); empty: each profile's
@@ -120,7 +123,10 @@ class RunConfig(ConfigMixin):
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "", strict: bool = False) -> RunConfig:
         """As :meth:`ConfigMixin.from_dict`; a run.json written before ``clients`` was renamed
-        ``client_ids`` (``clients`` is simulate's count everywhere else) still loads."""
+        ``client_ids`` (``clients`` is simulate's count everywhere else), or before FedNest's settings
+        left the round hyperparameters for the ``fednest`` table, still loads."""
+        if not strict:
+            d = _with_fednest_table(d)
         if "clients" not in d or "client_ids" in d:
             return super().from_dict(d, where, strict)
         try:
@@ -214,6 +220,15 @@ class RunConfig(ConfigMixin):
         return TakdConfig.from_dict(self.takd)
 
 
+def _with_fednest_table(d: dict[str, Any]) -> dict[str, Any]:
+    """A saved run's FedNest settings moved from its hyperparameters to the ``fednest`` table."""
+    hp = d.get("hyperparameters")
+    if not isinstance(hp, dict) or "fednest" in d:
+        return d
+    moved = {k: hp[k] for k in FedNestSettings.field_types() if k in hp}
+    return {**d, "fednest": moved} if moved else d
+
+
 def parse_profile_mix(text: str) -> dict[str, int]:
     """``"cpu-laptop:3,rpi5-8gb:2"`` as ``{"cpu-laptop": 3, "rpi5-8gb": 2}`` (order kept)."""
     out: dict[str, int] = {}
@@ -238,7 +253,7 @@ class SimConfig(ConfigMixin):
     """
 
     CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES, "codec": CODECS}
-    TABLES = {"hyperparameters": RoundHyperparams, "takd": TakdConfig}
+    TABLES = {"hyperparameters": RoundHyperparams, "takd": TakdConfig, "fednest": FedNestSettings}
 
     model: str = "tiny"
     data: list[str] = field(default_factory=list)
@@ -267,6 +282,7 @@ class SimConfig(ConfigMixin):
     gamma_schedule: str = "constant"
     hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
     takd: dict = field(default_factory=dict)  # TakdConfig overrides
+    fednest: dict = field(default_factory=dict)  # FedNestSettings overrides (fednest and lfednest)
 
     def __post_init__(self) -> None:
         super().__post_init__()

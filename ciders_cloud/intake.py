@@ -20,12 +20,12 @@ import torch
 from ciders_cloud.config import RunConfig
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
-from ciders_cloud.strategies import round_hyperparams_for
+from ciders_cloud.strategies import round_hyperparams_for, strategy_for
 from ciders_cloud.teacher import messenger_offset, profile_spec
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.packet import PROBE_KIND, Packet, PacketHeader, consensus_digest, read_key_file
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.split import layer_of, rename_layer, shift_layers
 from ciders_edge.tensors import Tensors, norm
 
@@ -115,9 +115,10 @@ def check_packets(
     """Refuse the whole round if any packet is for another round or bundle, from an unknown or
     repeated client, of the wrong shapes or layers, or not finite; set each one's ``profile`` and
     ``dc``. ``bundle_ids`` maps this round's bundle ids to their profiles. ``expected`` names the
-    tensors a packet must hold (default: the messenger LoRA's of the layers its profile trains;
-    LFedNest adds the backbone's grad_y f_i)."""
+    tensors a packet must hold (default: the messenger LoRA's of the layers its profile trains, and
+    what the strategy adds: LFedNest's grad_y f_i)."""
     layers = ProfileLayers.of(run, state)
+    extra = strategy_for(run).packet_tensors(state)
     seen: set[str] = set()
     for r in received:
         p, where = r.header, r.where
@@ -143,7 +144,7 @@ def check_packets(
             raise PacketError(f"{where}: a second packet from client {p.client_id!r} in round {state.round}")
         seen.add(p.client_id)
         trained = profile.to_own({k: state.messenger[k] for k in profile.trained})  # as the edge names them
-        want = expected if expected is not None else {**trained, **(state.backbone if hp.send_grad_y else {})}
+        want = expected if expected is not None else {**trained, **extra}
         _check_layers(set(p.shapes), profile, r.profile, state.messenger, trained, where)
         if p.num_examples <= 0:
             raise PacketError(f"{where}: |D_i| must be positive, got {p.num_examples}")

@@ -1,5 +1,5 @@
 """``ciders-cloud aggregate``: one cloud round, from Δc packets to the next round's bundles (eq. 11–13),
-and FedNest's hypergradient between a round's two exchanges.
+and the first exchange of a round for a strategy that asks for one (FedNest's hypergradient).
 
 Every packet is checked by :mod:`ciders_cloud.intake` before any state changes. The round commits
 in two moves: round t+1's bundles are written first (unreferenced until the state says so), then
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ciders_cloud.aggregation import participation_weights, reconstruct_displacement, weighted_sum
+from ciders_cloud.aggregation import participation_weights, reconstruct_displacement
 from ciders_cloud.backbones import backbone_part, label, pack, tagged
-from ciders_cloud.bilevel import cloud_indirect_term
 from ciders_cloud.bundles import write_bundles
 from ciders_cloud.config import RunConfig
 from ciders_cloud.device import cloud_device
@@ -26,17 +25,16 @@ from ciders_cloud.intake import Received, check_displacements, check_round, clie
 from ciders_cloud.prepare import fidelity_record, load_cloud_models, load_run, write_round_log
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
-from ciders_cloud.strategies import get_strategy
+from ciders_cloud.strategies import CloudRound, strategy_for
 from ciders_cloud.takd import Distiller, public_split
 from ciders_cloud.teacher import CloudModels
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.formats.packet import PROBE_KIND
 from ciders_edge.profiles import load_profile
-from ciders_edge.schedule import mean_lr_multiplier
 from ciders_edge.tensors import Tensors, add, norm
 
-__all__ = ["aggregate_packets", "aggregate_files", "hypergradient_packets"]
+__all__ = ["aggregate_packets", "aggregate_files", "aggregate_probes"]
 
 
 def _check_finite(tensors: Tensors, what: str) -> None:
@@ -67,8 +65,9 @@ def aggregate_packets(
 
     A packet whose displacement is not finite or an outlier fails the round, nothing written; with
     ``drop_outliers`` (the fleet, where one bad edge must not stop the others) it is left out with its
-    reason in the summary's ``dropped``, and its client's c_i stays as it was. TAKD, fidelity and
-    FedNest's Hessian products run on ``device`` (``auto``, ``cpu``, ``cuda``); the state stays on the CPU.
+    reason in the summary's ``dropped``, and its client's c_i stays as it was. TAKD, fidelity and the
+    strategy's own work (LFedNest's Hessian products) run on ``device`` (``auto``, ``cpu``, ``cuda``);
+    the state stays on the CPU.
     """
     device = cloud_device(device)
     folder = RunFolder(run_dir)
@@ -81,7 +80,7 @@ def aggregate_packets(
     hp = check_round(run_dir, run, state, received)
     if not received:
         raise PacketError("no packets given; a round needs at least one")
-    strategy = get_strategy(run.algorithm)
+    strategy = strategy_for(run)
     deltas, new_clients = _reconstruct(received, state, hp)  # (11)
     bad = check_displacements(received, deltas, state)
     if bad and not drop_outliers:
@@ -94,11 +93,8 @@ def aggregate_packets(
         deltas, new_clients = _reconstruct(received, state, hp)
     weights = participation_weights([r.packet.num_examples for r in received])
     backbones = load_cloud_models(run_dir, run, state, device)
-    bilevel = {}
-    if hp.send_grad_y:  # LFedNest (one backbone): the hypergradient's indirect term, at the round's (x, y)
-        grad_y = weighted_sum([r.packet.tensors for r in received], weights, state.backbone)
-        q, bilevel = cloud_indirect_term(next(iter(backbones.values())), run, state, hp, grad_y)
-        deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]  # as if added to every local step
+    cloud = CloudRound(run, state, hp, backbones)
+    deltas, bilevel = strategy.adjust_displacements(deltas, [r.packet.tensors for r in received], weights, cloud)
     v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12), per layer
     _check_finite({"v": v, "c": c}, f"round {state.round}")
     takd = {name: _distill(models, v, run, state, *strategy.takd(hp)) for name, models in backbones.items()}  # (13)
@@ -167,28 +163,23 @@ def _takd_log(run: RunConfig, state: ServerState, takd: dict[str, Distilled]) ->
     return steps + [rec for recs in closing for rec in recs]
 
 
-def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]], device: str | torch.device = "cpu") -> dict:
-    """FedNest's cloud step between a round's two exchanges: the global hypergradient
-    ``h = sum p_i grad_x f_i - grad_xy g [grad_yy g]^-1 sum p_i grad_y f_i`` from the probe
-    packets, written for the edges' svrg steps; the server state does not change. The Hessian
-    products run on ``device``."""
+def aggregate_probes(run_dir: Path, items: list[tuple[str, bytes]], device: str | torch.device = "cpu") -> dict:
+    """The first exchange of a round (FedNest's): the edges' gradient packets, checked, turned into
+    what their training needs (FedNest's global hypergradient h) and written to ``RUN/hypergradients/``
+    for them; the server state does not change. The strategy's work runs on ``device``."""
     device = cloud_device(device)
     run = load_run(run_dir)
     state = ServerState.load(RunFolder(run_dir).server_state)
     received = read_packets(run_dir, items)
     if not received:
-        raise PacketError("no probe packets given; FedNest's hypergradient needs at least one")
+        raise PacketError(f"no probe packets given; {run.algorithm}'s first exchange needs at least one")
     for r in received:
         if r.header.metrics.get("kind") != PROBE_KIND:
-            raise PacketError(f"{r.where}: not a probe packet (FedNest's first exchange sends gradients)")
+            raise PacketError(f"{r.where}: not a probe packet ({run.algorithm}'s first exchange sends gradients)")
     hp = check_round(run_dir, run, state, received, expected={**state.messenger, **state.backbone})
     weights = participation_weights([r.packet.num_examples for r in received])
-    grads = [r.packet.tensors for r in received]
-    grad_x = weighted_sum(grads, weights, state.messenger)
-    grad_y = weighted_sum(grads, weights, state.backbone)
-    (models,) = load_cloud_models(run_dir, run, state, device).values()  # FedNest runs on one backbone
-    q, info = cloud_indirect_term(models, run, state, hp, grad_y)
-    h = add(grad_x, q)
+    cloud = CloudRound(run, state, hp, load_cloud_models(run_dir, run, state, device))
+    h, report = strategy_for(run).aggregate_probes([r.packet.tensors for r in received], weights, cloud)
     path = RunFolder(run_dir).hypergradient(state.round)
     write_safetensors(path, h, {"round": str(state.round)})
     return {
@@ -196,9 +187,7 @@ def hypergradient_packets(run_dir: Path, items: list[tuple[str, bytes]], device:
         "path": str(path),
         "bytes_up": {r.packet.client_id: r.size for r in received},
         "bytes_down": path.stat().st_size,
-        "grad_x_norm": norm(grad_x),
-        "hypergradient_norm": norm(h),
-        "bilevel": info,
+        **report,
     }
 
 

@@ -1,4 +1,4 @@
-"""Configuration dataclasses shared by edge and cloud, and the round hyperparameters.
+"""Configuration dataclasses shared by edge and cloud: typed keys, allowed ranges, TOML reading.
 
 TOML and JSON keys equal the field names. :meth:`ConfigMixin.from_dict` checks every value against
 its field's type hint, so a wrong type is a one-line :class:`ConfigError` naming the file and key,
@@ -14,7 +14,7 @@ import math
 import tomllib
 import types
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -22,8 +22,6 @@ from ciders_edge.errors import ConfigError
 
 __all__ = [
     "ConfigMixin",
-    "RoundHyperparams",
-    "gamma_schedule",
     "check_value",
     "check_limit",
     "limit_error",
@@ -50,7 +48,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "eval_every": (1, 100_000),
     # batch shapes
     "batch_size": (1, 4096),
-    "hvp_batch_size": (1, 4096),
+    "hvp_batch_size": (1, 4096),  # FedNest's settings (ciders_cloud/strategies/fednest.py)
     "grad_accum": (1, 1024),
     "seq_len": (1, 131_072),
     "probe_batches": (1, 10_000),
@@ -193,13 +191,13 @@ class ConfigMixin:
         if unknown and strict:
             raise ConfigError(_unknown(where, table, unknown[0], types_))
         if unknown:
-            names = ", ".join(_dotted(table, k) for k in unknown)
+            names = ", ".join(dotted(table, k) for k in unknown)
             warnings.warn(f"{where}: unknown keys ignored: {names}", stacklevel=3)
         out = {}
         for key, value in d.items():
             if key not in types_:
                 continue
-            name, choices = _dotted(table, key), cls.CHOICES.get(key)
+            name, choices = dotted(table, key), cls.CHOICES.get(key)
             if not check_value(value, types_[key]) or (choices and value not in choices):
                 expected = _describe(types_[key]) + (f", one of {', '.join(map(repr, choices))}" if choices else "")
                 raise ConfigError(f"{where}: `{name}` must be {expected}; got {value!r}")
@@ -219,86 +217,12 @@ class ConfigMixin:
         return type(self).from_dict({**self.to_dict(), **{k: v for k, v in changes.items() if v is not None}})
 
 
-def _dotted(table: str, key: str) -> str:
+def dotted(table: str, key: str) -> str:
     return f"{table}.{key}" if table else key
 
 
 def _unknown(where: str, table: str, key: str, known: dict) -> str:
     """One line for an unknown key, with the nearest known one (a typo such as ``local_step``)."""
     near = difflib.get_close_matches(key, list(known), n=1)
-    hint = f"; did you mean `{_dotted(table, near[0])}`?" if near else f" (known: {', '.join(known)})"
-    return f"{where}: unknown key `{_dotted(table, key)}`{hint}"
-
-
-@dataclass
-class RoundHyperparams(ConfigMixin):
-    """Hyperparameters of one round of the edge update and the cloud aggregation (docs/design.md §3).
-
-    eta, K and tau personalize in a few rounds (``benchmarks/defaults_sweep.py``); the paper's
-    1e-4, 10 and 0.02 assume 150 rounds and are the ``paper`` preset. The rest are the paper's
-    (Qwen2.5-3B, protocol A); ``eta_in`` defaults to ``eta``.
-    """
-
-    CHOICES = {
-        "optimizer": ("adamw", "sgd"),
-        "solver": ("fo", "fd", "svrg"),
-        "start_from": ("global", "personalized"),
-        "hvp": ("auto", "autograd", "fd"),
-    }
-
-    local_steps: int = 20  # K
-    eta: float = 3e-3  # base learning rate of the messenger LoRA
-    eta_in: float | None = None  # look-ahead step; None: equal to eta
-    optimizer: str = "adamw"  # adamw | sgd
-    weight_decay: float = 0.01
-    clip: float = 1.0  # global-norm gradient clipping (0: off)
-    warmup_steps: int = 1
-    grad_accum: int = 1
-    batch_size: int = 2
-    seq_len: int = 256
-    solver: str = "fo"  # fo | fd | svrg (FedNest's variance-reduced outer steps)
-    gamma: float = 0.01  # consensus-correction weight gamma_t for this round
-    alpha: float = 0.002  # consensus EMA rate alpha_c
-    eps_prox: float = 0.01
-    eps_fd: float = 1e-4
-    eta_hvp: float = 1e-3
-    tau: float = 1.0  # server step on the aggregated displacement
-    takd_steps: int = 5  # T_L warm-started TAKD steps per round on the cloud
-    start_from: str = "global"  # x_0: the global messenger v, or this client's own (local-only baselines)
-    # FedNest / LFedNest (the bilevel problem, docs/design.md eq. (3): x = messenger, y = backbone LoRA, g = TAKD)
-    send_grad_y: bool = False  # LFedNest: the packet also carries grad_y f_i at the bundle's point
-    probe_batches: int = 4  # FedNest: batches behind a client's grad f_i(x) for the global hypergradient
-    neumann_terms: int = 5  # N: terms of the Neumann series for [grad_yy g]^-1 grad_y f
-    neumann_l: float = 0.0  # l: the series' step is 1/l; 0 estimates l from grad_yy g's top eigenvalue
-    hvp: str = "auto"  # autograd | fd | auto (autograd double-backward, central differences if it fails)
-    hvp_batch_size: int = 1  # public sequences in the cloud's Hessian-vector products (a stochastic Hessian)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.eta <= 0:
-            raise ConfigError(f"`eta` must be positive, got {self.eta}.")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"`optimizer` must be adamw or sgd, got {self.optimizer!r}.")
-        if self.start_from not in ("global", "personalized"):
-            raise ConfigError(f"`start_from` must be global or personalized, got {self.start_from!r}.")
-        if self.solver not in ("fo", "fd", "svrg"):
-            raise ConfigError(f"`solver` must be fo, fd or svrg, got {self.solver!r}.")
-        if self.hvp not in ("auto", "autograd", "fd"):
-            raise ConfigError(f"`hvp` must be auto, autograd or fd, got {self.hvp!r}.")
-        if not 0.0 < self.alpha <= 1.0:
-            raise ConfigError(f"`alpha` must be in (0, 1], got {self.alpha}.")
-        if self.eps_fd <= 0:
-            raise ConfigError(f"`eps_fd` must be positive, got {self.eps_fd}.")
-        nonnegative = ("gamma", "eps_prox", "tau", "weight_decay", "clip", "eta_hvp")
-        for name in (*nonnegative, "neumann_l"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"`{name}` must not be negative, got {getattr(self, name)}.")
-
-    @property
-    def look_ahead(self) -> float:
-        return self.eta if self.eta_in is None else self.eta_in
-
-
-def gamma_schedule(t: int, gamma_0: float = 0.9, decay: float = 0.86, floor: float = 0.01) -> float:
-    """Protocol C's schedule: gamma_0 = gamma_1 = 0.9, gamma_t = max(0.01, 0.9 * 0.86^(t-1))."""
-    return gamma_0 if t <= 1 else max(floor, gamma_0 * math.pow(decay, t - 1))
+    hint = f"; did you mean `{dotted(table, near[0])}`?" if near else f" (known: {', '.join(known)})"
+    return f"{where}: unknown key `{dotted(table, key)}`{hint}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ciders_edge.config import RoundHyperparams
+from ciders_edge.hyperparams import RoundHyperparams
 
 __all__ = ["warmup_cosine", "lr_multiplier", "mean_lr_multiplier"]
 

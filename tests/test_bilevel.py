@@ -9,16 +9,16 @@ import pytest
 import torch
 from flat_objective import AsFlat
 
-from ciders_cloud.hypergradient import (
+from ciders_cloud.strategies import get_strategy
+from ciders_cloud.strategies.hypergradient import (
     autograd_second_order,
     fd_second_order,
     indirect_term,
     neumann_ihgp,
     top_eigenvalue,
 )
-from ciders_cloud.strategies import get_strategy
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.schedule import mean_lr_multiplier
 from ciders_edge.tensors import add, norm, sub
 from ciders_edge.training.local_steps import local_update
@@ -124,9 +124,8 @@ def _run(algorithm, rounds=100, local_steps=5, inner_steps=20):
     m = torch.linalg.solve(hess, b_mat)
     eta = 1.0 / (local_steps * float(torch.linalg.eigvalsh(MU * torch.eye(DX, dtype=torch.float64) + m.T @ m)[-1]))
     strategy = get_strategy(algorithm)
-    base = RoundHyperparams(
-        local_steps=local_steps, eta=eta, optimizer="sgd", clip=0.0, warmup_steps=0, alpha=1.0, neumann_terms=48
-    )
+    base = RoundHyperparams(local_steps=local_steps, eta=eta, optimizer="sgd", clip=0.0, warmup_steps=0, alpha=1.0)
+    neumann_terms = 48
     hp = strategy.round_hyperparams(base, 0, "constant")
     x = {"x": torch.zeros(DX, dtype=torch.float64)}
     y = {"y": torch.zeros(DY, dtype=torch.float64)}
@@ -134,13 +133,13 @@ def _run(algorithm, rounds=100, local_steps=5, inner_steps=20):
     inner = Inner(hess, b_mat)
     for _ in range(rounds):
         grad_y_f = {"y": sum(w * (y["y"] - b) for w, (_, b) in zip(weights, clients, strict=True))}
-        q, _ = indirect_term(autograd_second_order(inner, x, y), grad_y_f, hp.neumann_terms, 2.0)
+        q, _ = indirect_term(autograd_second_order(inner, x, y), grad_y_f, neumann_terms, 2.0)
         h = None
-        if strategy.probes:  # FedNest: the global hypergradient before the local steps
+        if strategy.needs_probe:  # FedNest: the global hypergradient before the local steps
             h = add({"x": sum(w * MU * (x["x"] - a) for w, (a, _) in zip(weights, clients, strict=True))}, q)
         zero = {"x": torch.zeros(DX, dtype=torch.float64)}
         deltas = [local_update(x, zero, zero, AsFlat(Client(a, b, y["y"]), x), hp, control=h).delta for a, b in clients]
-        if hp.send_grad_y:  # LFedNest: the cloud adds the indirect term
+        if hp.grad_y_in_packet:  # LFedNest: the cloud adds the indirect term
             deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]
         x, _ = strategy.server_step(x, zero, deltas, weights, hp)
         for _ in range(inner_steps):  # gradient descent on g(x, .): y -> y*(x)

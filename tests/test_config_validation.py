@@ -11,8 +11,9 @@ from ciders_cloud.config import RunConfig
 from ciders_cloud.config_file import load_config
 from ciders_cloud.strategies import round_hyperparams_for
 from ciders_edge.cli import app as edge
-from ciders_edge.config import RoundHyperparams, check_value
+from ciders_edge.config import check_value
 from ciders_edge.errors import ConfigError
+from ciders_edge.hyperparams import RoundHyperparams
 
 runner = CliRunner()
 
@@ -40,6 +41,9 @@ BAD = [
     ),
     ("[takd]\nbatch_size = 0\n", "`takd.batch_size` must be an integer from 1 to 4,096; got 0"),
     ("[lora]\nrank = 100000\n", "`lora.rank` must be an integer from 1 to 1,024; got 100000"),
+    ("[hyperparameters]\nneumann_terms = 3\n", "`hyperparameters.neumann_terms` is now a key of the `fednest` table"),
+    ('[fednest]\nhvp = "exact"\n', "`fednest.hvp` must be a string, one of 'auto', 'autograd', 'fd'; got 'exact'"),
+    ("[fednest]\nprobe_batches = 0\n", "`fednest.probe_batches` must be an integer from 1 to 10,000; got 0"),
 ]
 
 
@@ -71,6 +75,18 @@ def test_ints_pass_for_numbers_and_good_files_load(tmp_path):
     got = load_config(path, "simulate")
     assert got == {"participation": 1, "drop_ratio": 0, "hyperparameters": {"eta": 1}, "takd": {"lr": 1}}
     assert RoundHyperparams.from_dict(got["hyperparameters"]).eta == 1
+
+
+def test_fednest_settings_left_the_round_hyperparameters():
+    """A run.json from before keeps its FedNest settings (now the `fednest` table); an old manifest's
+    hyperparameters load without them; only FedNest's bundles ask edges for gradients."""
+    old = {"algorithm": "fednest", "hyperparameters": {"eta": 0.1, "neumann_terms": 3, "send_grad_y": False}}
+    run = RunConfig.from_dict(old)
+    assert run.fednest == {"neumann_terms": 3} and "neumann_terms" not in run.hyperparameters
+    hp = round_hyperparams_for(run, 0)
+    assert hp.eta == 0.1 and hp.ask.probe_batches == 4 and not hp.grad_y_in_packet
+    assert "bilevel" not in round_hyperparams_for(RunConfig(), 0).to_dict()
+    assert RoundHyperparams.from_dict({"hvp": "auto", "probe_batches": 4}) == RoundHyperparams()
 
 
 def test_a_tables_own_checks_run_at_load_with_the_file_named(tmp_path):

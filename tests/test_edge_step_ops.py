@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import batch_stream, load_examples
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.adapemu import load_edge_model
 from ciders_edge.model.forward import messenger_loss, run_backbone
 from ciders_edge.model.lora import MESSENGER_ADAPTER, bind_flat, copy_into, is_bound, lora_parameters

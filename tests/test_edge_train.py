@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from ciders_edge.cli import app as edge
 from ciders_edge.data.records import load_examples
+from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet
@@ -18,6 +19,7 @@ from ciders_edge.training.equations import fd_hessian_vector
 from ciders_edge.training.local_steps import local_update
 from ciders_edge.training.objective import MessengerObjective
 from ciders_edge.training.round import round_hyperparams, train_round
+from ciders_edge.training.train import probe
 
 runner = CliRunner()
 
@@ -223,3 +225,10 @@ def test_corrupt_state_file_is_a_state_error(tmp_path):
     (tmp_path / "current" / "consensus.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(StateError, match="client state corrupt"):
         ClientState.load(tmp_path)
+
+
+def test_a_round_that_asks_for_no_gradients_is_not_probed(bundle_dir, demo_dir, tmp_path):
+    """Only FedNest's bundles carry a bilevel ask; probing a CIDERS round writes nothing."""
+    with pytest.raises(ConfigError, match="round 0 asks for no gradients"):
+        probe(bundle_dir, demo_dir / "units" / "train.jsonl", tmp_path / "s", tmp_path / "p.pkt", client_id="e1")
+    assert not (tmp_path / "p.pkt").exists()

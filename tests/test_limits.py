@@ -12,9 +12,10 @@ from ciders_cloud.cli import app as cloud
 from ciders_cloud.config import RunConfig, SimConfig, TakdConfig
 from ciders_cloud.config_file import ConfigFile
 from ciders_edge.cli import app as edge
-from ciders_edge.config import ConfigMixin, RoundHyperparams
+from ciders_edge.config import ConfigMixin
 from ciders_edge.errors import BundleError, ConfigError
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.inference.generation import GenerationSettings
 from ciders_edge.model.lora import LoraSettings
 from ciders_edge.profiles import DeviceProfile

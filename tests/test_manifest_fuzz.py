@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load, save
 
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import BundleError
 from ciders_edge.formats.bundle import MANIFEST, Bundle
 from ciders_edge.formats.bundle import MESSENGER_LAYERS_FILE as MESSENGER
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.lora import LoraSettings
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import DTYPES, DeviceProfile

@@ -10,8 +10,8 @@ from ciders_cloud.config import TakdConfig
 from ciders_cloud.config_file import load_toml_config
 from ciders_cloud.study.report import report
 from ciders_cloud.study.simulate import SimConfig
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
+from ciders_edge.hyperparams import RoundHyperparams
 
 runner = CliRunner()
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ciders_cloud.rounds import hypergradient_packets
+from ciders_cloud.rounds import aggregate_probes
 from ciders_cloud.run_folder import RunFolder
 from ciders_cloud.server_state import ServerState
 from ciders_cloud.strategies import STRATEGIES
@@ -64,8 +64,8 @@ def one_thread():
 @pytest.mark.parametrize("algorithm", sorted(STRATEGIES))
 def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm, one_thread):
     out = tmp_path / algorithm
-    bilevel = {"neumann_terms": 3, "neumann_l": 50.0, "probe_batches": 1} if "nest" in algorithm else {}
-    summary = simulate(_cfg(demo_dir, algorithm=algorithm, participation=0.67, hyperparameters=bilevel), out)
+    fednest = {"neumann_terms": 3, "neumann_l": 50.0, "probe_batches": 1} if "nest" in algorithm else {}
+    summary = simulate(_cfg(demo_dir, algorithm=algorithm, participation=0.67, fednest=fednest), out)
     rows = _metrics(out)
     clients = [r for r in rows if r["type"] == "client"]
     assert sorted({r["round"] for r in clients}) == [0, 1, 2]
@@ -116,7 +116,7 @@ def _check_bilevel_rounds(out, rows, algorithm):
             assert not probe.exists()
     if algorithm == "fednest":
         with pytest.raises(PacketError, match="not a probe packet"):
-            hypergradient_packets(out / "run", [("x.pkt", path.read_bytes())])
+            aggregate_probes(out / "run", [("x.pkt", path.read_bytes())])
         h = load_file(out / "run" / "hypergradients" / "round-0002.safetensors")
         assert {k: v.shape for k, v in h.items()} == {k: v.shape for k, v in state.messenger.items()}
         assert all(r["bytes_down"] >= sum(t.numel() * 4 for t in h.values()) for r in rounds)

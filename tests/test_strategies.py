@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from ciders_cloud.strategies import STRATEGIES, get_strategy
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.training.equations import consensus_update, displacement, trajectory_gradient
 
 HP = RoundHyperparams(local_steps=2, eta=0.5, tau=0.1, alpha=0.2, gamma=0.05, eps_prox=0.0, takd_steps=3)
@@ -70,8 +70,8 @@ def test_localot_aggregates_nothing_and_edges_continue_their_own_messenger():
         ("fedot", {"gamma": 0.0, "tau": 1.0}, (0, None)),
         ("fedbiot", {"eps_prox": 0.01, "tau": 1.0}, (3, 0.0)),  # MSE + KL re-alignment, no task CE
         ("localot", {"start_from": "personalized"}, (0, None)),
-        ("fednest", {"solver": "svrg", "tau": 1.0}, (3, None)),
-        ("lfednest", {"solver": "fo", "send_grad_y": True}, (3, None)),
+        ("fednest", {"solver": "svrg", "tau": 1.0, "bilevel": {"probe_batches": 4}}, (3, None)),
+        ("lfednest", {"solver": "fo", "bilevel": {"probe_batches": 4, "grad_y_in_packet": True}}, (3, None)),
     ],
 )
 def test_what_each_strategy_ships_and_distils(name, shipped, takd):
@@ -79,7 +79,8 @@ def test_what_each_strategy_ships_and_distils(name, shipped, takd):
     hp = s.round_hyperparams(HP, 1, "constant")
     assert {k: getattr(hp, k) for k in shipped} == shipped
     assert s.takd(hp) == takd
-    assert s.probes == (name == "fednest")
+    assert s.needs_probe == (name == "fednest")
+    assert ("bilevel" in hp.to_dict()) == name.endswith("fednest")  # no other bundle names FedNest's ask
 
 
 def test_protocol_c_schedules_gamma_and_an_unknown_name_is_refused():

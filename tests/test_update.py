@@ -6,8 +6,8 @@ from flat_objective import AsFlat
 
 from ciders_cloud.aggregation import aggregate, participation_weights, reconstruct_displacement
 from ciders_cloud.study.diagnostics import decompose, psi
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.formats.packet import Packet
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.schedule import warmup_cosine
 from ciders_edge.tensors import add
 from ciders_edge.training.equations import consensus_update, delta_c, displacement, trajectory_gradient

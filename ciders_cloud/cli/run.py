@@ -18,8 +18,9 @@ from ciders_cloud.prepare import prepare as prepare_run
 from ciders_cloud.rounds import aggregate_files
 from ciders_cloud.splits import fleet_split
 from ciders_edge.cli_utils import JsonOpt, key_table, print_table, run_command
-from ciders_edge.config import RoundHyperparams, check_limit
+from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.lora import LoraSettings
 from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console

@@ -14,15 +14,15 @@ from safetensors.torch import load_file
 
 from ciders_cloud.config import SimConfig
 from ciders_cloud.prepare import load_run
-from ciders_cloud.rounds import aggregate_files, hypergradient_packets
+from ciders_cloud.rounds import aggregate_files, aggregate_probes
 from ciders_cloud.run_folder import StudyFolder
 from ciders_cloud.strategies import get_strategy, round_hyperparams_for
 from ciders_cloud.study.diagnostics import client_diagnostics
 from ciders_cloud.study.evaluation import evaluate_baseline, evaluate_groups
 from ciders_cloud.study.profiles import StudyProfiles
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.progress import console
 from ciders_edge.training.train import probe, train
 
@@ -45,7 +45,7 @@ def run_rounds(
     for t in range(cfg.rounds):
         started = time.perf_counter()
         participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
-        probed = _probe(study, t, participants, profiles, device) if strategy.probes else {}
+        probed = _probe(study, t, participants, profiles, device) if strategy.needs_probe else {}
         packets, outputs = [], {}
         for cid in participants:
             console.print(f"[bold]round {t}[/] {cid} ({strategy.name}{profiles.label(cid)})")
@@ -93,7 +93,7 @@ def _probe(study: StudyFolder, t: int, ids: list[str], profiles: StudyProfiles, 
         bundle = study.run.bundle(profile, t)
         probe(bundle, study.train_data(cid), study.client_state(cid), path, client_id=cid, profile=profile)
         paths.append(path)
-    summary = hypergradient_packets(study.run.root, [(str(p), p.read_bytes()) for p in paths], device)
+    summary = aggregate_probes(study.run.root, [(str(p), p.read_bytes()) for p in paths], device)
     return {**summary, "h": load_file(summary["path"])}
 
 

@@ -27,10 +27,10 @@ from ciders_cloud.splits import fleet_split
 from ciders_cloud.study.partition import partition
 from ciders_cloud.study.round_loop import run_rounds
 from ciders_cloud.study.staging import staged
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import read_jsonl
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import write_json, write_jsonl
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.profiles import load_profile
 
 __all__ = ["SimConfig", "simulate", "prepare_study", "client_ids"]
@@ -144,6 +144,7 @@ def _run_config(cfg: SimConfig, ids: list[str], study: StudyFolder) -> RunConfig
         takd=TakdConfig().replace(**cfg.takd).to_dict(),
         hyperparameters=hp.to_dict(),
         algorithm=cfg.algorithm,
+        fednest=cfg.fednest,
         gamma_schedule=cfg.gamma_schedule,
         client_ids=ids,
     )

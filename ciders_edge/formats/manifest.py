@@ -7,10 +7,11 @@ from __future__ import annotations
 import reprlib
 from pathlib import Path
 
-from ciders_edge.config import ConfigMixin, RoundHyperparams, check_value
+from ciders_edge.config import ConfigMixin, check_value
 from ciders_edge.errors import BundleError, ConfigError
 from ciders_edge.formats.checksums import check_relpath
 from ciders_edge.formats.storage import FORMATS, STORAGES
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.lora import LoraSettings
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import BACKBONES, DTYPES, DeviceProfile

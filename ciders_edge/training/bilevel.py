@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import random
 
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import Example, batch_stream
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.adapemu import EdgeModel
 from ciders_edge.model.forward import messenger_loss, run_backbone
 from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, lora_parameters

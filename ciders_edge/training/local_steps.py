@@ -17,19 +17,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.errors import ConfigError
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.schedule import lr_multiplier
-from ciders_edge.tensors import FlatLayout, Tensors, add, sub
-from ciders_edge.training.equations import (
-    consensus_update,
-    delta_c,
-    displacement,
-    fd_hessian_vector,
-    fd_surrogate,
-    look_ahead,
-    trajectory_gradient,
-)
+from ciders_edge.tensors import FlatLayout, Tensors
+from ciders_edge.training.directions import DIRECTIONS, on_flat
+from ciders_edge.training.equations import consensus_update, delta_c, displacement, trajectory_gradient
 
 __all__ = ["FlatObjective", "LocalResult", "local_update"]
 
@@ -81,6 +74,7 @@ def local_update(
     """
     if hp.solver == "svrg" and control is None:
         raise ConfigError("the svrg solver needs the round's global hypergradient (FedNest's h)")
+    direction = DIRECTIONS[hp.solver]
     packer = _Packer.of(objective, v)
     fixed = packer.pack(v), packer.pack(c), packer.pack(c_i)  # v, c, c_i: one flat tensor each
     fv, fc, fci = fixed
@@ -94,7 +88,7 @@ def local_update(
         for k in range(hp.local_steps):
             metrics = {"step": k + 1, "steps": hp.local_steps, "lr": opt.param_groups[0]["lr"]}
             metrics["consensus_gap"] = consensus_gap
-            g = _direction(x.detach(), objective, hp, metrics, fv, h)
+            g = direction(x.detach(), objective, hp, metrics, fv, h)
             first = g if first is None else first
             _step(x, g, fixed, hp, metrics, opt)
             sched.step()
@@ -103,9 +97,9 @@ def local_update(
                 _read_metrics([metrics])
                 on_step(metrics)
     _read_metrics(steps)
-    delta = _on_flat(displacement, fv, x.detach(), hp.local_steps, hp.eta)  # eq. (9)
-    c_i_new = _on_flat(consensus_update, fci, delta, fc, hp.alpha, hp.gamma)  # eq. (10)
-    dc = _on_flat(delta_c, c_i_new, fci)
+    delta = on_flat(displacement, fv, x.detach(), hp.local_steps, hp.eta)  # eq. (9)
+    c_i_new = on_flat(consensus_update, fci, delta, fc, hp.alpha, hp.gamma)  # eq. (10)
+    dc = on_flat(delta_c, c_i_new, fci)
     out = packer.unpack
     first_direction = out(first) if first is not None else {}
     return LocalResult(out(x.detach()), out(delta), out(c_i_new), out(dc), steps, first_direction)
@@ -146,47 +140,11 @@ def _step(
 ) -> None:
     """Eq. (8)'s trajectory gradient from the direction ``g``, global-norm clipping, one optimizer step."""
     v, c, c_i = fixed
-    x.grad = _on_flat(trajectory_gradient, g, x.detach(), v, c, c_i, hp.gamma, hp.eps_prox)
+    x.grad = on_flat(trajectory_gradient, g, x.detach(), v, c, c_i, hp.gamma, hp.eps_prox)
     metrics["grad_norm"] = torch.linalg.vector_norm(x.grad, dtype=torch.float64)
     if hp.clip > 0:  # as clip_grad_norm_ (min(1, clip / (norm + 1e-6))), reusing the logged norm
         x.grad.mul_((hp.clip / (metrics["grad_norm"] + 1e-6)).clamp(max=1.0))
     opt.step()
-
-
-def _direction(
-    x: Tensor, obj: FlatObjective, hp: RoundHyperparams, metrics: dict, v: Tensor, control: Tensor | None
-) -> Tensor:
-    """FO: grad at the look-ahead point; FD: that minus eta_hvp times a central-difference HVP;
-    SVRG: FedNest's ``h_i,nu = grad f_i(x_i,nu) - grad f_i(x) + h``, both gradients on one batch."""
-    batch = obj.batch()
-    loss, g0 = obj.flat_gradient(x, batch)  # eq. (4)
-    metrics["loss"] = loss
-    if hp.solver == "svrg":
-        _, g_anchor = obj.flat_gradient(v, batch)
-        return _on_flat(add, _on_flat(sub, g0, g_anchor), control)
-    if hp.look_ahead == 0.0:  # x_look = x_k: the look-ahead gradient is g0 itself
-        u = g0
-    else:
-        x_look = _on_flat(look_ahead, x, g0, hp.look_ahead)  # eq. (5)
-        _, u = obj.flat_gradient(x_look, batch)  # eq. (6): FO direction
-    if hp.solver == "fo":
-        return u
-    _, g_plus = obj.flat_gradient(_on_flat(add, x, u, hp.eps_fd), batch)
-    _, g_minus = obj.flat_gradient(_on_flat(add, x, u, -hp.eps_fd), batch)
-    hu = _on_flat(fd_hessian_vector, g_plus, g_minus, hp.eps_fd)  # eq. (7)
-    g = _on_flat(fd_surrogate, u, hu, hp.eta_hvp)
-    u_norm = torch.linalg.vector_norm(u, dtype=torch.float64).clamp(min=1e-12)
-    metrics["r_fd"] = hp.eta_hvp * torch.linalg.vector_norm(hu, dtype=torch.float64) / u_norm  # curvature share
-    return g
-
-
-_FLAT = "flat"
-
-
-def _on_flat(equation: Callable[..., Tensors], *args: Tensor | float) -> Tensor:
-    """Evaluate a ``dict`` equation (eq. 4–10, ``add``, ``sub``) on flat tensors, as one-entry dicts:
-    the same arithmetic as on the LoRA's tensors, one op per term."""
-    return equation(*({_FLAT: a} if isinstance(a, Tensor) else a for a in args))[_FLAT]
 
 
 def _read_metrics(steps: list[dict]) -> None:

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import Example, load_examples
 from ciders_edge.errors import PacketError, StateError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet, consensus_digest
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.profiles import DeviceProfile, load_profile, pick_device
 from ciders_edge.tensors import Tensors, add, norm
@@ -78,8 +78,8 @@ def train_round(
 ) -> RoundOutput:
     """Run K local steps and encode dc_i; the state advances by the *decoded* increment.
 
-    ``control`` is FedNest's global hypergradient for the svrg solver; with ``hp.send_grad_y``
-    (LFedNest) the packet also carries grad_y f_i at the bundle's point."""
+    ``control`` is FedNest's global hypergradient for the svrg solver; when the round asks for
+    ``grad_y_in_packet`` (LFedNest) the packet also carries grad_y f_i at the bundle's point."""
     bundle = edge.bundle
     check_state(state, bundle)
     v_all = {k: t.float() for k, t in bundle.messenger_lora().items()}
@@ -97,9 +97,9 @@ def train_round(
     if state.rng is not None:
         torch.set_rng_state(state.rng)
     grad_y = {}
-    if hp.send_grad_y:  # LFedNest: at the bundle's point, before training moves the messenger
+    if hp.grad_y_in_packet:  # LFedNest: at the bundle's point, before training moves the messenger
         probe_seed = round_seed(seed, f"probe:{client_id}", bundle.round)
-        grad_y = client_gradients(edge, examples, hp, hp.probe_batches, probe_seed)[2]
+        grad_y = client_gradients(edge, examples, hp, hp.ask.probe_batches, probe_seed)[2]
     objective = MessengerObjective(
         edge, examples, hp.batch_size, hp.grad_accum, round_seed(seed, client_id, bundle.round)
     )
@@ -186,7 +186,7 @@ def load_round(b: Bundle, data, profile: str | None, overrides: dict, live_backb
     """The round's hyperparameters, the AdapEmu on the profile's device, and the tokenized data."""
     prof = load_profile(profile) if profile else None
     hp = round_hyperparams(b, prof, overrides)
-    edge = load_edge_model(b, prof.torch_dtype if prof else None, live_backbone or hp.send_grad_y)
+    edge = load_edge_model(b, prof.torch_dtype if prof else None, live_backbone or hp.grad_y_in_packet)
     edge.model.to(pick_device(prof))
     return hp, edge, load_examples(data, edge.tokenizer, hp.seq_len)
 

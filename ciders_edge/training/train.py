@@ -135,8 +135,10 @@ def probe(
     b = Bundle.load(bundle)
     check_state(ClientState.load(state_dir), b)
     hp, edge, examples = load_round(b, data, profile, {}, live_backbone=True)
+    if hp.ask is None:
+        raise ConfigError(f"{bundle}: round {b.round} asks for no gradients (only FedNest's rounds are probed)")
     loss, grad_x, grad_y = client_gradients(
-        edge, examples, hp, hp.probe_batches, round_seed(0, f"probe:{client_id}", b.round)
+        edge, examples, hp, hp.ask.probe_batches, round_seed(0, f"probe:{client_id}", b.round)
     )
     metrics = {"kind": PROBE_KIND, "loss": loss}
     packet = Packet(client_id, b.round, b.bundle_id, "fp32", len(examples), {**grad_x, **grad_y}, metrics)

@@ -2,27 +2,30 @@
 
 The inner problem lives on the cloud alone (its public data and teacher), so FedIHGP's products
 with ``grad_yy g`` and ``grad_xy g`` need no communication here; the clients contribute only
-``grad_y f_i`` (see :mod:`ciders_edge.training.bilevel`).
+``grad_y f_i`` (see :mod:`ciders_edge.training.bilevel`); :mod:`.fednest` holds the strategies.
 """
 
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ciders_cloud.config import RunConfig, TakdConfig
 from ciders_cloud.device import to_cpu
-from ciders_cloud.hypergradient import indirect_term, second_order
 from ciders_cloud.server_state import ServerState
+from ciders_cloud.strategies.hypergradient import indirect_term, second_order
 from ciders_cloud.takd import takd_terms
-from ciders_cloud.teacher import CloudModels
-from ciders_edge.config import RoundHyperparams
 from ciders_edge.data.records import batch_stream, load_examples
 from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, copy_into, lora_parameters, set_trainable
 from ciders_edge.tensors import Tensors
+
+if TYPE_CHECKING:  # the run config checks algorithm names against the strategies, which import this
+    from ciders_cloud.config import RunConfig, TakdConfig
+    from ciders_cloud.strategies.fednest import FedNestSettings
+    from ciders_cloud.teacher import CloudModels
 
 __all__ = ["TakdInner", "cloud_indirect_term"]
 
@@ -45,7 +48,7 @@ class TakdInner:
 
 
 def cloud_indirect_term(
-    models: CloudModels, run: RunConfig, state: ServerState, hp: RoundHyperparams, grad_y_f: Tensors
+    models: CloudModels, run: RunConfig, state: ServerState, settings: FedNestSettings, grad_y_f: Tensors
 ) -> tuple[Tensors, dict]:
     """``-grad_xy g [grad_yy g]^-1 grad_y f`` at the round's (v, backbone), on a public batch
     drawn for this round; the models hold the round's LoRAs again afterwards.
@@ -56,12 +59,12 @@ def cloud_indirect_term(
     cfg = run.takd_config
     examples = load_examples(run.public_data, models.tokenizer, cfg.seq_len)
     rng = random.Random(f"{run.seed}:ihgp:{state.round}")
-    batch = models.on_device(next(batch_stream(examples, hp.hvp_batch_size, rng, models.tokenizer.pad_token_id)))
+    batch = models.on_device(next(batch_stream(examples, settings.hvp_batch_size, rng, models.tokenizer.pad_token_id)))
     inner = TakdInner(models, batch, cfg)
     x, y, b = (_on(t, models.device) for t in (state.messenger, state.backbone, grad_y_f))
     try:
-        second = second_order(inner, x, y, hp.hvp)
-        q, info = indirect_term(second, b, hp.neumann_terms, hp.neumann_l)
+        second = second_order(inner, x, y, settings.hvp)
+        q, info = indirect_term(second, b, settings.neumann_terms, settings.neumann_l)
     finally:
         set_trainable(models.emu, None)
         copy_into(inner.x, state.messenger)

@@ -1,0 +1,55 @@
+"""CIDERS and its baselines as strategy objects over one round loop (after Flower's ``server/strategy/``).
+
+:class:`~.base.Strategy` is CIDERS-FO and names every hook; each baseline is a small file that varies
+some of them. Edges run the same update code for every strategy: the bundle's hyperparameters (the
+local steps' direction among them) select the variant.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ciders_cloud.strategies.base import CloudRound, Strategy
+from ciders_cloud.strategies.ciders import CidersFD
+from ciders_cloud.strategies.fedavg import FedAvg
+from ciders_cloud.strategies.fednest import FedNest, FedNestSettings, LFedNest
+from ciders_cloud.strategies.offsite import FedBiOT, FedOT, LocalOT
+from ciders_cloud.strategies.scaffold import Scaffold
+from ciders_edge.errors import ConfigError
+from ciders_edge.hyperparams import RoundHyperparams
+
+if TYPE_CHECKING:
+    from ciders_cloud.config import RunConfig
+
+__all__ = [
+    "Strategy",
+    "CloudRound",
+    "FedNestSettings",
+    "STRATEGIES",
+    "get_strategy",
+    "strategy_for",
+    "round_hyperparams_for",
+]
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (Strategy(), CidersFD(), FedAvg(), Scaffold(), FedOT(), FedBiOT(), LocalOT(), FedNest(), LFedNest())
+}
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy of that name, with its default settings."""
+    if name not in STRATEGIES:
+        raise ConfigError(f"unknown algorithm {name!r}; choose one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def strategy_for(run: RunConfig) -> Strategy:
+    """The run's strategy with the run's settings for it."""
+    return get_strategy(run.algorithm).for_run(run)
+
+
+def round_hyperparams_for(run: RunConfig, round_: int) -> RoundHyperparams:
+    """What round ``round_``'s bundles carry: the run's hyperparameters as its strategy varies them."""
+    hp = RoundHyperparams.from_dict(run.hyperparameters)
+    return strategy_for(run).round_hyperparams(hp, round_, run.gamma_schedule)
