@@ -31,10 +31,11 @@ FAMILIES = ("arithmetic", "dates", "strings", "code")
 
 def _bundles(run_dir: Path, out: Path) -> dict[str, Path]:
     """The run's round-0 AdapEmu bundle (and, beside it, the AdapFu one) in every storage format."""
-    from ciders_cloud.bundles import bundle_contents
-    from ciders_cloud.prepare import load_cloud_models, load_run
-    from ciders_cloud.run_folder import RunFolder
-    from ciders_cloud.server_state import ServerState
+    from ciders_cloud.models.teacher import load_cloud_models
+    from ciders_cloud.round.bundles import bundle_contents
+    from ciders_cloud.run.config import load_run
+    from ciders_cloud.run.folder import RunFolder
+    from ciders_cloud.run.server_state import ServerState
     from ciders_edge.formats.bundle import Bundle
     from ciders_edge.profiles import load_profile
 
@@ -100,9 +101,10 @@ def _train_peak_mib(path: Path, data: Path) -> float:
     """Peak RSS of a fresh edge process: load the bundle, two local steps (``ciders-edge train``'s code)."""
     code = (
         "import sys, tempfile\n"
-        "from ciders_edge.training.train import train\n"
+        "from ciders_edge.training.train import RoundOptions, train\n"
         "d = tempfile.mkdtemp()\n"
-        "train(sys.argv[1], sys.argv[2], d + '/s', d + '/p.pkt', client_id='bench', overrides={'local_steps': 2})\n"
+        "options = RoundOptions(client_id='bench', overrides={'local_steps': 2})\n"
+        "train(sys.argv[1], sys.argv[2], d + '/s', d + '/p.pkt', options)\n"
         # VmHWM starts afresh at exec; ru_maxrss would carry this (parent) process's peak over
         "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
     )

@@ -145,7 +145,7 @@ def domain_study(domains: tuple[str, ...], **overrides):
     """A ``simulate`` config with one five_domain domain per client: it trains on the domain's
     ``train.jsonl`` and is scored on its ``eval.jsonl``; SmolLM2, messenger depth 6, drop 0.2,
     evaluated after the last round only."""
-    from ciders_cloud.study.simulate import SimConfig
+    from ciders_cloud.study.config import SimConfig
 
     five = data_dir("five_domain")
     base = {

@@ -3,7 +3,7 @@
     python benchmarks/emulator_fidelity.py --out runs/emulator-fidelity
 
 SmolLM2-135M, messenger depth 6, drop ratio 0.2 and 0.5; TAKD on the five ``five_domain`` public
-files together, fidelity (``ciders_cloud.fidelity``) on the 40 public records ``prepare`` holds out.
+files together, fidelity (``ciders_cloud.models.fidelity``) on the 40 public records ``prepare`` holds out.
 Each drop ratio runs the default recipe (stage 1: layer fits of the layers after each gap; stage 2:
 end-to-end TAKD on their weights) with the fidelity measured at checkpoints. Then the stage-2
 alternatives the default was chosen over, each from the same stage-1 layers at drop 0.2 with the
@@ -52,9 +52,9 @@ def main() -> None:
 
 
 def _models(drop: float, public: Path, **takd):
-    from ciders_cloud.config import RunConfig, TakdConfig
-    from ciders_cloud.takd import public_split
-    from ciders_cloud.teacher import build_cloud_models
+    from ciders_cloud.models.takd import public_split
+    from ciders_cloud.models.teacher import build_cloud_models
+    from ciders_cloud.run.config import RunConfig, TakdConfig
     from ciders_edge.model.sources import model_revision, resolve_model
 
     path = resolve_model("smollm2-135m")
@@ -67,7 +67,7 @@ def _models(drop: float, public: Path, **takd):
 
 
 def _point(stage: str, steps: int, seconds: float, models, held) -> dict:
-    from ciders_cloud.fidelity import measure_fidelity
+    from ciders_cloud.models.fidelity import measure_fidelity
 
     f = measure_fidelity(models, held)
     print(f"  {stage} {steps}: {f.describe()} ({seconds:.0f} s)", flush=True)
@@ -77,8 +77,8 @@ def _point(stage: str, steps: int, seconds: float, models, held) -> dict:
 def recipe_curve(drop: float, public: Path, layer_marks: list[int], align_marks: list[int]) -> tuple[list, dict]:
     """The default recipe, measured at the checkpoints (the clock excludes the measurements);
     also returns the layers after stage 1, where the stage-2 alternatives start."""
-    from ciders_cloud.bootstrap import LayerAligner, gap_parameters
-    from ciders_cloud.takd import Distiller
+    from ciders_cloud.models.bootstrap import LayerAligner, gap_parameters
+    from ciders_cloud.models.takd import Distiller
 
     print(f"drop {drop}", flush=True)
     run, models, train, held = _models(drop, public)
@@ -116,8 +116,8 @@ VARIANTS = {  # the stage-2 alternatives, as TakdConfig overrides
 def variant(name: str, public: Path, steps: int, stage1: dict) -> dict:
     import torch
 
-    from ciders_cloud.bootstrap import gap_parameters
-    from ciders_cloud.takd import Distiller
+    from ciders_cloud.models.bootstrap import gap_parameters
+    from ciders_cloud.models.takd import Distiller
 
     print(f"variant {name}", flush=True)
     run, models, train, held = _models(0.2, public, **VARIANTS[name])

@@ -194,10 +194,11 @@ def decode(bundle: Path, profile, requested: str, args, size: dict) -> dict:
 
 def takd(run_dir: Path, device: torch.device, args) -> dict:
     """Steps/s of the cloud's TAKD (eq. 2: teacher, AdapEmu, backbone LoRA) with both models on ``device``."""
-    from ciders_cloud.prepare import load_cloud_models, load_run
-    from ciders_cloud.run_folder import RunFolder
-    from ciders_cloud.server_state import ServerState
-    from ciders_cloud.takd import Distiller
+    from ciders_cloud.models.takd import Distiller
+    from ciders_cloud.models.teacher import load_cloud_models
+    from ciders_cloud.run.config import load_run
+    from ciders_cloud.run.folder import RunFolder
+    from ciders_cloud.run.server_state import ServerState
 
     run = load_run(run_dir)
     [models] = load_cloud_models(run_dir, run, ServerState.load(RunFolder(run_dir).server_state)).values()

@@ -80,7 +80,7 @@ def main() -> None:
 
 
 def _write(args, results: dict, plots: list[str]) -> None:
-    from ciders_cloud.study.simulate import SimConfig
+    from ciders_cloud.study.config import SimConfig
 
     header = ["algorithm", "matched-domain NLL (AdapEmu)", "gain over round 0", "AdapFu", "gain over base model",
               "Δcross", "global NLL", "bytes up / round", "rounds' wall s"]  # fmt: skip

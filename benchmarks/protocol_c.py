@@ -32,8 +32,8 @@ def main() -> None:
     ap.add_argument("--messenger-depth", type=int, default=6)
     args = ap.parse_args()
     dolly = data_dir("dolly15k") / "dolly15k.jsonl"
+    from ciders_cloud.study.config import SimConfig
     from ciders_cloud.study.report import report
-    from ciders_cloud.study.simulate import SimConfig
 
     runs, rows_out = [], []
     for alpha in args.alphas.split(","):

@@ -9,34 +9,26 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from ciders_cloud.backbones import backbone_part, label, pack, tagged
-from ciders_cloud.bootstrap import bootstrap
-from ciders_cloud.bundles import deployments, write_bundles
-from ciders_cloud.config import RunConfig
-from ciders_cloud.device import CPU, cloud_device
-from ciders_cloud.fidelity import Fidelity, measure_fidelity
-from ciders_cloud.lock import claim_new_run
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
-from ciders_cloud.takd import TERMS, Distiller, public_split
-from ciders_cloud.teacher import CloudModels, build_backbones
-from ciders_edge.errors import ConfigError, StateError
-from ciders_edge.formats.atomic import append_jsonl, staging_dir, write_json, write_jsonl, write_safetensors
+from ciders_cloud.models.backbones import backbone_part, label, pack, tagged
+from ciders_cloud.models.bootstrap import bootstrap
+from ciders_cloud.models.device import cloud_device
+from ciders_cloud.models.fidelity import Fidelity, measure_fidelity
+from ciders_cloud.models.takd import TERMS, Distiller, public_split
+from ciders_cloud.models.teacher import CloudModels, build_backbones, load_cloud_models
+from ciders_cloud.round.bundles import deployments, write_bundles
+from ciders_cloud.run.config import RunConfig, load_run
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.lock import claim_new_run
+from ciders_cloud.run.logs import fidelity_record, write_round_log
+from ciders_cloud.run.server_state import ServerState
+from ciders_edge.errors import ConfigError
+from ciders_edge.formats.atomic import append_jsonl, staging_dir, write_json, write_safetensors
 from ciders_edge.formats.checksums import sha256_file
 from ciders_edge.model.sources import load_tokenizer, model_revision, resolve_model
 from ciders_edge.profiles import load_profile
 
-__all__ = [
-    "prepare",
-    "distill",
-    "write_bundles",
-    "load_run",
-    "write_round_log",
-    "load_cloud_models",
-    "fidelity_record",
-]
+__all__ = ["prepare", "distill"]
 
 
 def prepare(run: RunConfig, out: str | Path, device: str | torch.device = "cpu") -> dict:
@@ -144,39 +136,6 @@ def run_identity(run: RunConfig) -> str:
         del made_of["profile_splits"]
     made_of["public_data"] = sha256_file(Path(run.public_data))
     return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def load_cloud_models(
-    run_dir: Path, run: RunConfig, state: ServerState, device: torch.device = CPU
-) -> dict[str, CloudModels]:
-    """The run's models as the last command left them (source model, aligned layers, LoRA state), on
-    ``device``: one per learnable backbone, by name, the reference first."""
-    aligned = RunFolder(run_dir).aligned
-    return build_backbones(run, state, load_file(aligned) if aligned.is_file() else None, device)
-
-
-def load_run(run_dir: Path) -> RunConfig:
-    path = RunFolder(run_dir).config
-    if not path.is_file():
-        raise StateError(f"{run_dir}: not a run folder (no {path.name}); create one with `ciders-cloud prepare`")
-    return RunConfig.from_dict(json.loads(path.read_text()), where=str(path))
-
-
-def fidelity_record(round_: int, takd_step: int, fidelity: Fidelity | None) -> dict:
-    return {"type": "fidelity", "round": round_, "takd_step": takd_step, **(fidelity.to_dict() if fidelity else {})}
-
-
-def write_round_log(path: Path, committed: ServerState, records: list[dict]) -> None:
-    """Add ``records`` to the log *before* the state commit, replacing whatever an interrupted attempt
-    left: a TAKD or fidelity record past ``committed``'s round or TAKD step is from an attempt that
-    never committed. So a rerun after a kill logs each step exactly once."""
-    logged = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    write_jsonl(path, [rec for rec in logged if _committed(rec, committed)] + records)
-
-
-def _committed(rec: dict, state: ServerState) -> bool:
-    step = {"takd": rec.get("step"), "fidelity": rec.get("takd_step")}.get(rec.get("type"))
-    return step is None or (rec.get("round", 0) <= state.round and step <= state.takd_step)
 
 
 def _summary(

@@ -4,7 +4,7 @@ Each runtime runs in its own process (so its peak memory is its own) on the same
 decoding the same number of tokens; the processes take turns, one generation each, and figures are
 medians over ``repeats`` turns after a warm-up, so the ratios are measured side by side.
 ONNX and GenAI runtimes are exported first (or reused from ``exports``) with :func:`export_model`, the same
-code as ``ciders-edge export``. The training step is the real edge update (``train_round``) on
+code as ``ciders-edge export``. The training step is the real edge update (``local_round``) on
 synthetic full-length batches of the profile's shape.
 """
 
@@ -290,7 +290,7 @@ def _measure_train_step(bundle, prof: DeviceProfile, steps: int) -> dict:
     from ciders_edge.cli_utils import quiet_libraries
     from ciders_edge.data.records import IGNORE, Example
     from ciders_edge.model.adapemu import load_edge_model
-    from ciders_edge.training.round import round_hyperparams, train_round
+    from ciders_edge.training.round import RoundOptions, local_round, round_hyperparams
 
     quiet_libraries()
     b = Bundle.load(bundle)
@@ -304,7 +304,7 @@ def _measure_train_step(bundle, prof: DeviceProfile, steps: int) -> dict:
         ids = [rng.randrange(vocab) for _ in range(hp.seq_len)]
         examples.append(Example(ids, [IGNORE] * half + ids[half:]))
     stamps = []
-    train_round(edge, examples, None, hp, client_id="bench", on_step=lambda _: stamps.append(time.perf_counter()))
+    local_round(edge, examples, None, hp, RoundOptions("bench", on_step=lambda _: stamps.append(time.perf_counter())))
     step_s = statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
     return {
         "solver": hp.solver,

@@ -126,13 +126,17 @@ def quantized_bundles(tmp_path_factory, demo_dir):
 @pytest.fixture(scope="module")
 def trained(tiny_run, demo_dir, tmp_path_factory):
     """A bundle and a client state that trained one round on it (the export tests' personalized model)."""
-    from ciders_edge.training.train import train
+    from ciders_edge.training.train import RoundOptions, train
 
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
     root = tmp_path_factory.mktemp("edge")
     state = root / "state"
     train(
-        bundle, demo_dir / "units" / "train.jsonl", state, root / "p.pkt", client_id="e1", overrides={"local_steps": 3}
+        bundle,
+        demo_dir / "units" / "train.jsonl",
+        state,
+        root / "p.pkt",
+        RoundOptions(client_id="e1", overrides={"local_steps": 3}),
     )
     return bundle, state
 

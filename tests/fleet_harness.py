@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ciders_cloud.fleet.certs import make_certs
-from ciders_cloud.run_folder import RunFolder
+from ciders_cloud.run.folder import RunFolder
 from ciders_edge.fleet.keys import ensure_node_key
 
 BIN = Path(sys.executable).parent

@@ -16,7 +16,7 @@ from ciders_edge.inference.personalize import load_personalized
 from ciders_edge.model.adapfu import load_adapfu
 from ciders_edge.model.sources import load_model
 from ciders_edge.model.split import shift_layers
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 from export import export_model
 from export.check import all_logits, check_inputs, compare_logits
 
@@ -74,8 +74,13 @@ def test_a_local_copy_of_the_base_model_gives_the_same_adapfu(tmp_path, demo_dir
 def test_personalized_adapfu_exports_and_answers(tmp_path, demo_dir):
     bundle = _prepare(tmp_path, demo_dir, 2, 0.5)
     state = tmp_path / "state"
-    train(bundle.path, demo_dir / "dates" / "train.jsonl", state, tmp_path / "p.pkt", client_id="e",
-                overrides={"local_steps": 2, "eta": 1e-2})  # fmt: skip
+    train(
+        bundle.path,
+        demo_dir / "dates" / "train.jsonl",
+        state,
+        tmp_path / "p.pkt",
+        RoundOptions(client_id="e", overrides={"local_steps": 2, "eta": 1e-2}),
+    )
     edge, source = load_personalized(bundle, state, backbone="full")
     assert source.backbone == "full" and source.messenger == "personalized"
     inputs = check_inputs(edge.tokenizer)

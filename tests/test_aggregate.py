@@ -16,17 +16,17 @@ from test_packet import _forge, _zeros_frame
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.lock import run_lock
-from ciders_cloud.rounds import aggregate_packets
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.round.aggregate import aggregate_packets
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.lock import run_lock
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import StateError
 from ciders_edge.faults import CRASH_ENV
 from ciders_edge.formats import packet as packet_module
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 
 runner = CliRunner()
 
@@ -41,7 +41,13 @@ def round0(tmp_path_factory, demo_dir):
     prepare(run, root / "run")
     bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
     for cid, fam in (("a", "dates"), ("b", "code")):
-        train(bundle, demo_dir / fam / "train.jsonl", root / f"state-{cid}", root / f"{cid}.pkt", client_id=cid)
+        train(
+            bundle,
+            demo_dir / fam / "train.jsonl",
+            root / f"state-{cid}",
+            root / f"{cid}.pkt",
+            RoundOptions(client_id=cid),
+        )
     return root
 
 
@@ -240,7 +246,7 @@ def test_a_second_writer_is_refused_while_the_run_is_locked(round0, tmp_path):
     for r in (agg, dist):
         assert r.exit_code == 1 and f"in use by `aggregate` (PID {os.getpid()}," in r.stderr, r.output
     assert _state_bytes(run) == before and not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
-    holder = "import os, sys\nfrom ciders_cloud.lock import run_lock\n"
+    holder = "import os, sys\nfrom ciders_cloud.run.lock import run_lock\n"
     holder += "with run_lock(sys.argv[1], 'x'):\n    os.kill(os.getpid(), 9)"
     assert subprocess.run([sys.executable, "-c", holder, str(run)]).returncode == -signal.SIGKILL
     r = runner.invoke(cloud, _args(run, packets))
@@ -254,7 +260,7 @@ def test_edge_and_cloud_copies_of_c_i_cannot_diverge(round0, tmp_path, demo_dir)
     assert runner.invoke(cloud, _args(run, packets)).exit_code == 0
     bundle = run / "bundles" / "cpu-laptop" / "round-0001"
     train_file = demo_dir / "dates" / "train.jsonl"
-    train(bundle, train_file, tmp_path / "lost", tmp_path / "lost.pkt", client_id="a")  # a fresh state
+    train(bundle, train_file, tmp_path / "lost", tmp_path / "lost.pkt", RoundOptions(client_id="a"))  # a fresh state
     r = runner.invoke(cloud, _args(run, [str(tmp_path / "lost.pkt")]))
     assert r.exit_code == 1 and "client 'a' trained from a c_i" in r.stderr and "not the cloud's copy" in r.stderr
 
@@ -265,14 +271,14 @@ def test_edge_and_cloud_copies_of_c_i_cannot_diverge(round0, tmp_path, demo_dir)
     raw[-3] ^= 1  # one bit of one float: still loads, but is not the c_i the cloud holds
     c_i.write_bytes(bytes(raw))
     with pytest.raises(StateError, match="fails its checksum"):
-        train(bundle, train_file, damaged, tmp_path / "d.pkt", client_id="a")
+        train(bundle, train_file, damaged, tmp_path / "d.pkt", RoundOptions(client_id="a"))
 
     foreign = tmp_path / "foreign"
     shutil.copytree(round0 / "state-a", foreign)
     meta = json.loads((foreign / "current" / "state.json").read_text())
     (foreign / "current" / "state.json").write_text(json.dumps({**meta, "run_id": "f" * 32}))
     with pytest.raises(StateError, match="this state belongs to run ffffffffffff"):
-        train(bundle, train_file, foreign, tmp_path / "f.pkt", client_id="a")
+        train(bundle, train_file, foreign, tmp_path / "f.pkt", RoundOptions(client_id="a"))
 
 
 def test_the_fleet_drops_an_outlier_and_aggregates_the_others(round0, tmp_path):

@@ -5,9 +5,10 @@ import pytest
 import torch
 from peft import PeftModel
 
-from ciders_cloud.prepare import load_cloud_models, load_run
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.models.teacher import load_cloud_models
+from ciders_cloud.run.config import load_run
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import BundleError
 from ciders_edge.formats.bundle import ADAPTER_DIR, Bundle
 from ciders_edge.model.adapemu import load_edge_model

@@ -114,7 +114,7 @@ def test_prepare_refuses_an_existing_run(tiny_run):
 
 def test_a_second_prepare_of_the_same_out_is_one_line_at_once(demo_dir, tmp_path):
     """The loser of two `prepare --out R` used to bootstrap in full, then fail with `OSError [Errno 39]`."""
-    from ciders_cloud.lock import claim_new_run
+    from ciders_cloud.run.lock import claim_new_run
 
     out = tmp_path / "run"
     with claim_new_run(out):  # the first prepare, still bootstrapping

@@ -9,15 +9,15 @@ from conftest import fast_run_config
 from test_cli_cloud import _prepare_args
 from typer.testing import CliRunner
 
-import ciders_cloud.bootstrap as bootstrap
+import ciders_cloud.models.bootstrap as bootstrap
 from ciders_cloud import prepare
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.device import CPU, autocast, cloud_device, to_cpu
-from ciders_cloud.rounds import aggregate_files
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.models.device import CPU, autocast, cloud_device, to_cpu
+from ciders_cloud.round.aggregate import aggregate_files
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import ConfigError
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 
 runner = CliRunner()
 NO_CUDA = "--device cuda: no CUDA device here"
@@ -42,7 +42,7 @@ def _prepare_and_aggregate(demo_dir, root, device: str | None):
     run = fast_run_config(demo_dir, client_ids=["a"], hyperparameters={"takd_steps": 2})
     prepare(run, root / "run", **kw)
     bundle = RunFolder(root / "run").bundle("cpu-laptop", 0)
-    train(bundle, demo_dir / "dates" / "train.jsonl", root / "state-a", root / "a.pkt", client_id="a")
+    train(bundle, demo_dir / "dates" / "train.jsonl", root / "state-a", root / "a.pkt", RoundOptions(client_id="a"))
     aggregate_files(root / "run", [root / "a.pkt"], **kw)
     return root / "run"
 

@@ -7,8 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.config import RunConfig
-from ciders_cloud.config_file import load_config
+from ciders_cloud.run.config import RunConfig
+from ciders_cloud.run.config_file import load_config
 from ciders_cloud.strategies import round_hyperparams_for
 from ciders_edge.cli import app as edge
 from ciders_edge.config import check_value

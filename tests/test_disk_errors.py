@@ -13,10 +13,10 @@ from safetensors import SafetensorError
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.run_folder import RunFolder
+from ciders_cloud.run.folder import RunFolder
 from ciders_edge.cli import app as edge
 from ciders_edge.formats.client_state import ClientState
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 
 runner = CliRunner()
 
@@ -73,7 +73,7 @@ def run0(tmp_path_factory, demo_dir):
     root = tmp_path_factory.mktemp("disk")
     prepare(fast_run_config(demo_dir, client_ids=["a"]), root / "run")
     bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
-    train(bundle, demo_dir / "dates" / "train.jsonl", root / "state", root / "a.pkt", client_id="a")
+    train(bundle, demo_dir / "dates" / "train.jsonl", root / "state", root / "a.pkt", RoundOptions(client_id="a"))
     return root, bundle
 
 

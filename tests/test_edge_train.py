@@ -18,7 +18,7 @@ from ciders_edge.tensors import add
 from ciders_edge.training.equations import fd_hessian_vector
 from ciders_edge.training.local_steps import local_update
 from ciders_edge.training.objective import MessengerObjective
-from ciders_edge.training.round import round_hyperparams, train_round
+from ciders_edge.training.round import RoundOptions, local_round, round_hyperparams
 from ciders_edge.training.train import probe
 
 runner = CliRunner()
@@ -76,7 +76,7 @@ def test_training_lowers_the_local_loss(edge_setup):
 def test_train_round_state_follows_the_decoded_packet(edge_setup):
     edge, examples = edge_setup
     hp = round_hyperparams(edge.bundle, None, {"local_steps": 2, "eta": 1e-2, "solver": "fd"})
-    out = train_round(edge, examples, None, hp, client_id="c1", codec="int8")
+    out = local_round(edge, examples, None, hp, RoundOptions("c1", codec="int8"))
     assert out.state.round == 0 and out.state.bundle_id == edge.bundle.bundle_id
     for k, t in out.packet.tensors.items():
         assert torch.equal(out.state.c_i[k], t)  # cold start: c_i = 0 + decoded dc

@@ -13,7 +13,7 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.inference.evaluate import exact_match_answer, read_eval_records, rouge_l, score
 from ciders_edge.inference.generation import GenerationSettings, generate_batch
 from ciders_edge.inference.personalize import load_personalized
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 
 runner = CliRunner()
 
@@ -22,8 +22,13 @@ runner = CliRunner()
 def trained(tiny_run, demo_dir, tmp_path_factory):
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
     root = tmp_path_factory.mktemp("evaluate")
-    train(bundle, demo_dir / "dates" / "train.jsonl", root / "state", root / "p.pkt", client_id="d",
-                overrides={"local_steps": 2, "eta": 1e-4})  # fmt: skip
+    train(
+        bundle,
+        demo_dir / "dates" / "train.jsonl",
+        root / "state",
+        root / "p.pkt",
+        RoundOptions(client_id="d", overrides={"local_steps": 2, "eta": 1e-4}),
+    )
     return bundle, root / "state"
 
 

@@ -4,8 +4,8 @@ Each test is bounded in time; a fleet's failures are in test_fleet_recovery.py."
 
 from fleet_harness import check_edges_agree, equal_tensors, fleet_config
 
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.study.simulate import simulate
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState

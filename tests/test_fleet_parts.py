@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.fleet.certs import make_certs
 from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report
-from ciders_cloud.run_folder import RunFolder
+from ciders_cloud.run.folder import RunFolder
 from ciders_edge.cli import app as edge_cli
 from ciders_edge.errors import BundleError, ConfigError, PacketError, StateError
 from ciders_edge.fleet.bundle_sync import files_to_ship, held_files, install_bundle
@@ -25,7 +25,7 @@ from ciders_edge.fleet.protocol import consensus_digest
 from ciders_edge.formats.bundle import MANIFEST, Bundle
 from ciders_edge.formats.checksums import hash_folder, sha256_file
 from ciders_edge.formats.client_state import ClientState
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 
 runner = CliRunner()
 
@@ -42,7 +42,13 @@ def run0(tmp_path_factory, demo_dir):
         _, pub = ensure_node_key(root / f"edge-{cid}")
         shutil.copy(pub, RunFolder(root / "run").node_key(cid))
         bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
-        train(bundle, demo_dir / "dates" / "train.jsonl", root / f"state-{cid}", root / f"{cid}.pkt", client_id=cid)
+        train(
+            bundle,
+            demo_dir / "dates" / "train.jsonl",
+            root / f"state-{cid}",
+            root / f"{cid}.pkt",
+            RoundOptions(client_id=cid),
+        )
     return root
 
 

@@ -7,8 +7,8 @@ import signal
 
 from fleet_harness import check_edges_agree, fleet_config, flower_processes, wait_for
 
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.formats.client_state import ClientState
 
 

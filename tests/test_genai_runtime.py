@@ -14,7 +14,7 @@ from ciders_edge.formats.export_folder import GENAI_CONFIG, MANIFEST, ONNX_FILE,
 from ciders_edge.inference.genai import GenAIDecoder
 from ciders_edge.inference.generation import GenerationSettings, TokenDecoder, encode_prompt, generate
 from ciders_edge.inference.runtime import open_runtime
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 from export import export_model
 
 pytest.importorskip("onnxruntime_genai", reason="the genai runtime needs onnxruntime-genai")
@@ -33,8 +33,7 @@ def trained(tiny_run, demo_dir, tmp_path_factory):
         demo_dir / "units" / "train.jsonl",
         root / "state",
         root / "p.pkt",
-        client_id="g1",
-        overrides={"local_steps": 3},
+        RoundOptions(client_id="g1", overrides={"local_steps": 3}),
     )
     return bundle, root / "state"
 

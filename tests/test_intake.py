@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ciders_cloud.intake import MAX_DELTA_RATIO, check_displacements
+from ciders_cloud.round.intake import MAX_DELTA_RATIO, check_displacements
 
 
 def received(*clients: str) -> list[SimpleNamespace]:

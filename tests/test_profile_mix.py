@@ -9,13 +9,14 @@ import torch
 from conftest import fast_run_config
 from typer.testing import CliRunner
 
-from ciders_cloud.aggregation import aggregate, participation_weights, weighted_sum
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.config import RunConfig, SimConfig
-from ciders_cloud.rounds import aggregate_files
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
-from ciders_cloud.splits import fleet_split
+from ciders_cloud.round.aggregate import aggregate_files
+from ciders_cloud.round.aggregation import aggregate, participation_weights, weighted_sum
+from ciders_cloud.run.config import RunConfig
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
+from ciders_cloud.run.splits import fleet_split
+from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.report import report
 from ciders_edge.errors import ConfigError
 from ciders_edge.fleet.edge import cloud_digest
@@ -25,7 +26,7 @@ from ciders_edge.formats.packet import Packet
 from ciders_edge.model.split import layer_of, shift_layers
 from ciders_edge.profiles import load_profile
 from ciders_edge.training.equations import reconstruct_displacement
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 
 runner = CliRunner()
 LAPTOP, PI = "cpu-laptop", "rpi5-8gb"
@@ -125,7 +126,7 @@ def mixed(tmp_path_factory, demo_dir):
     prepare(fast_run_config(demo_dir, profiles=[LAPTOP, PI], storage="fp32", **MIXED), root / "run")
     for cid, profile, family in (("a", LAPTOP, "dates"), ("b", PI, "code"), ("c", PI, "arithmetic")):
         bundle, data = RunFolder(root / "run").bundle(profile, 0), demo_dir / family / "train.jsonl"
-        train(bundle, data, root / cid, root / f"{cid}.pkt", profile=profile, client_id=cid)
+        train(bundle, data, root / cid, root / f"{cid}.pkt", RoundOptions(profile=profile, client_id=cid))
     return root
 
 
@@ -176,7 +177,9 @@ def test_the_frozen_messenger_layers_draw_no_randomness(mixed, tmp_path, demo_di
         state = ClientState.load(tmp_path / f"state-{seed}")
         state.rng = torch.Generator().manual_seed(seed).get_state()  # another process's RNG after round 0
         state.save(tmp_path / f"state-{seed}")
-        train(bundle, data, tmp_path / f"state-{seed}", tmp_path / f"{seed}.pkt", profile=PI, client_id="b")
+        train(
+            bundle, data, tmp_path / f"state-{seed}", tmp_path / f"{seed}.pkt", RoundOptions(profile=PI, client_id="b")
+        )
         packets.append(Packet.load(tmp_path / f"{seed}.pkt").tensors)
     assert packets[0].keys() == packets[1].keys()
     assert all(torch.equal(packets[0][k], packets[1][k]) for k in packets[0])
@@ -235,7 +238,13 @@ def test_a_client_that_changes_profile_is_told_to_join_anew(mixed, tmp_path, dem
     shutil.copytree(mixed / "run", tmp_path / "run")
     aggregate_files(tmp_path / "run", [mixed / f"{c}.pkt" for c in "abc"])  # b trained the Pi's layer
     bundle = RunFolder(tmp_path / "run").bundle(LAPTOP, 1)
-    train(bundle, demo_dir / "code" / "train.jsonl", tmp_path / "b-laptop", tmp_path / "b.pkt", client_id="b")
+    train(
+        bundle,
+        demo_dir / "code" / "train.jsonl",
+        tmp_path / "b-laptop",
+        tmp_path / "b.pkt",
+        RoundOptions(client_id="b"),
+    )
     r = runner.invoke(cloud, ["aggregate", "--run", str(tmp_path / "run"), "--packets", str(tmp_path / "b.pkt")])
     assert r.exit_code == 1 and "a device that changes profile joins as a new client id" in r.stderr
 
@@ -253,7 +262,9 @@ def test_one_profile_in_a_two_profile_run_equals_a_one_profile_run(tmp_path, dem
         for cid, family in (("a", "dates"), ("b", "code")):
             bundle = RunFolder(run).bundle(LAPTOP, 0)
             out = tmp_path / f"{name}-{cid}.pkt"
-            train(bundle, demo_dir / family / "train.jsonl", tmp_path / f"{name}-{cid}", out, client_id=cid)
+            train(
+                bundle, demo_dir / family / "train.jsonl", tmp_path / f"{name}-{cid}", out, RoundOptions(client_id=cid)
+            )
             packets.append(out)
         aggregate_files(run, packets)
         states.append(ServerState.load(RunFolder(run).server_state))

@@ -6,10 +6,10 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.config import TakdConfig
-from ciders_cloud.config_file import load_toml_config
+from ciders_cloud.run.config import TakdConfig
+from ciders_cloud.run.config_file import load_toml_config
+from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.report import report
-from ciders_cloud.study.simulate import SimConfig
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
 

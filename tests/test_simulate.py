@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ciders_cloud.rounds import aggregate_probes
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.round.aggregate import aggregate_probes
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import STRATEGIES
-from ciders_cloud.study.simulate import SimConfig, simulate
+from ciders_cloud.study.config import SimConfig
+from ciders_cloud.study.simulate import simulate
 from ciders_edge.errors import ConfigError, PacketError
 from ciders_edge.formats.packet import Packet
 

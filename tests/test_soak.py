@@ -15,11 +15,11 @@ from conftest import fast_run_config
 from test_aggregate import _claiming_2gib, _like, _state_bytes
 
 from ciders_cloud import prepare
-from ciders_cloud.lock import run_lock
-from ciders_cloud.rounds import aggregate_files
+from ciders_cloud.round.aggregate import aggregate_files
+from ciders_cloud.run.lock import run_lock
 from ciders_edge.errors import CidersError, PacketError, StateError
 from ciders_edge.formats.packet import Packet
-from ciders_edge.training.train import train
+from ciders_edge.training.train import RoundOptions, train
 
 
 def _hostile(valid: Packet, out) -> dict[str, list[str]]:
@@ -51,7 +51,13 @@ def test_soak_of_valid_replayed_and_hostile_packets(tmp_path, demo_dir):
     prepare(run, tmp_path / "run")
     bundle = tmp_path / "run" / "bundles" / "cpu-laptop" / "round-0000"
     for cid, fam in (("a", "dates"), ("b", "code")):
-        train(bundle, demo_dir / fam / "train.jsonl", tmp_path / f"s-{cid}", tmp_path / f"{cid}.pkt", client_id=cid)
+        train(
+            bundle,
+            demo_dir / fam / "train.jsonl",
+            tmp_path / f"s-{cid}",
+            tmp_path / f"{cid}.pkt",
+            RoundOptions(client_id=cid),
+        )
     shutil.copytree(tmp_path / "run", tmp_path / "ref")
     valid = [str(tmp_path / "a.pkt"), str(tmp_path / "b.pkt")]
     aggregate_files(tmp_path / "ref", valid)

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 import ciders_cloud.study.report as report_module
 import ciders_cloud.study.round_loop as round_loop_module
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.prepare import load_run
-from ciders_cloud.run_folder import LOCK_FILE as BUILDING
+from ciders_cloud.run.config import load_run
+from ciders_cloud.run.folder import LOCK_FILE as BUILDING
 from ciders_cloud.study.report import report
 from ciders_cloud.study.simulate import simulate
 from ciders_edge.errors import ConfigError, PacketError

@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.cli import app as edge
 from ciders_edge.errors import StateError
 from ciders_edge.formats.client_state import ClientState

@@ -127,15 +127,20 @@ def test_prepare_refuses_an_unknown_storage_before_writing(tmp_path, demo_dir):
 def test_a_later_round_of_an_int8_run_ships_no_frozen_weights_again(tmp_path, demo_dir):
     from test_adapfu import _prepare
 
-    from ciders_cloud.rounds import aggregate_files
+    from ciders_cloud.round.aggregate import aggregate_files
     from ciders_edge.formats.bundle import Bundle
     from ciders_edge.formats.manifest import FROZEN_FILES
-    from ciders_edge.training.train import train
+    from ciders_edge.training.train import RoundOptions, train
 
     first = _prepare(tmp_path, demo_dir, 2, 0.5, storage="int8")
     run = first.path.parents[2]
-    train(first.path, demo_dir / "dates" / "train.jsonl", tmp_path / "s", tmp_path / "p.pkt", client_id="e",
-          overrides={"local_steps": 1})  # fmt: skip
+    train(
+        first.path,
+        demo_dir / "dates" / "train.jsonl",
+        tmp_path / "s",
+        tmp_path / "p.pkt",
+        RoundOptions(client_id="e", overrides={"local_steps": 1}),
+    )
     summary = aggregate_files(run, [tmp_path / "p.pkt"])
     second = Bundle.load(run / "bundles" / "cpu-laptop" / "round-0001")
     for rel in FROZEN_FILES:

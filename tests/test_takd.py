@@ -8,14 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ciders_cloud.bootstrap import LayerAligner, gap_layers, gap_parameters
-from ciders_cloud.config import RunConfig, TakdConfig
-from ciders_cloud.fidelity import measure_fidelity
-from ciders_cloud.prepare import load_cloud_models, load_run
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
-from ciders_cloud.takd import Distiller, hidden_term, public_split, takd_loss, task_term
-from ciders_cloud.teacher import build_cloud_models
+from ciders_cloud.models.bootstrap import LayerAligner, gap_layers, gap_parameters
+from ciders_cloud.models.fidelity import measure_fidelity
+from ciders_cloud.models.takd import Distiller, hidden_term, public_split, takd_loss, task_term
+from ciders_cloud.models.teacher import build_cloud_models, load_cloud_models
+from ciders_cloud.run.config import RunConfig, TakdConfig, load_run
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.data.records import IGNORE, collate, load_examples
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.sources import load_tokenizer
@@ -175,7 +174,7 @@ def test_distill_trains_only_the_backbone_lora(tiny_run):
 def test_bootstrap_is_cached_by_everything_it_depends_on(tiny_path, demo_dir, tmp_path, monkeypatch):
     """A second prepare of the same model, split, data, recipe and seed reuses the trained layers (same
     bundle bytes, log marked cached); another seed trains again."""
-    import ciders_cloud.bootstrap as bootstrap_module
+    import ciders_cloud.models.bootstrap as bootstrap_module
     from ciders_cloud import prepare
     from ciders_edge.formats.bundle import Bundle
 

@@ -8,15 +8,15 @@ from typing import Annotated
 
 import typer
 
-from ciders_cloud.config import RunConfig, TakdConfig
-from ciders_cloud.config_file import merge_config
-from ciders_cloud.device import cloud_device
-from ciders_cloud.fidelity import Fidelity
-from ciders_cloud.lock import run_lock
+from ciders_cloud.models.device import cloud_device
+from ciders_cloud.models.fidelity import Fidelity
 from ciders_cloud.prepare import distill as distill_run
 from ciders_cloud.prepare import prepare as prepare_run
-from ciders_cloud.rounds import aggregate_files
-from ciders_cloud.splits import fleet_split
+from ciders_cloud.round.aggregate import aggregate_files
+from ciders_cloud.run.config import RunConfig, TakdConfig
+from ciders_cloud.run.config_file import merge_config
+from ciders_cloud.run.lock import run_lock
+from ciders_cloud.run.splits import fleet_split
 from ciders_edge.cli_utils import JsonOpt, key_table, print_table, run_command
 from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError

@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 
 from ciders_cloud.cli.run import DeviceOpt
-from ciders_cloud.config import SimConfig, parse_profile_mix
-from ciders_cloud.config_file import merge_config
-from ciders_cloud.device import cloud_device
+from ciders_cloud.models.device import cloud_device
+from ciders_cloud.run.config_file import merge_config
 from ciders_cloud.strategies import STRATEGIES
+from ciders_cloud.study.config import SimConfig, parse_profile_mix
 from ciders_cloud.study.report import report as report_runs
 from ciders_cloud.study.simulate import simulate as simulate_run
 from ciders_edge.cli_utils import JsonOpt, run_command

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ciders_cloud.run_folder import CertsFolder
+from ciders_cloud.run.folder import CertsFolder
 from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import write_bytes

@@ -3,7 +3,7 @@
 Edges are known by the public keys in ``RUN/nodes/<client-id>.pub`` (the ones ``serve`` registers
 with the SuperLink), so a node's client id comes from the key it authenticated with, never from
 what it claims. Each reply is checked on its own; a bad packet is refused and logged, and the
-round closes with the others through :func:`ciders_cloud.rounds.aggregate_packets`, the code of
+round closes with the others through :func:`ciders_cloud.round.aggregate.aggregate_packets`, the code of
 ``ciders-cloud aggregate``. Every client-round goes to ``RUN/fleet/log.jsonl`` with its bytes.
 """
 
@@ -17,11 +17,12 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
-from ciders_cloud.intake import CLIENT_ID, ProfileLayers, check_packets, read_packets
-from ciders_cloud.prepare import load_run
-from ciders_cloud.rounds import aggregate_packets
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.models.layers import ProfileLayers
+from ciders_cloud.round.aggregate import aggregate_packets
+from ciders_cloud.round.intake import CLIENT_ID, check_packets, read_packets
+from ciders_cloud.run.config import load_run
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for
 from ciders_edge.errors import CidersError, ConfigError, PacketError
 from ciders_edge.fleet.bundle_sync import files_to_ship

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from ciders_cloud.fleet.coordinator import node_keys
 from ciders_cloud.fleet.superlink import GRPC_SWITCHES, LOOPBACK
-from ciders_cloud.prepare import load_run
-from ciders_cloud.run_folder import CertsFolder, RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.run.config import load_run
+from ciders_cloud.run.folder import CertsFolder, RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.lifetime import guarded

@@ -25,7 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report, refusal
 from ciders_cloud.fleet.serve import ServeSettings
-from ciders_cloud.run_folder import RunFolder
+from ciders_cloud.run.folder import RunFolder
 from ciders_edge.errors import CidersError, StateError
 from ciders_edge.fleet.lifetime import end_with_parent
 from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes

@@ -19,7 +19,7 @@ from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
 
 if TYPE_CHECKING:
-    from ciders_cloud.config import RunConfig
+    from ciders_cloud.run.config import RunConfig
 
 __all__ = [
     "Strategy",

@@ -12,7 +12,7 @@ A strategy decides what it asks of edges and what it does with what comes back:
 - :meth:`Strategy.server_step`: the next v and c (eq. 12);
 - :meth:`Strategy.takd`: how much TAKD the learnable backbone gets after aggregation (eq. 13).
 
-The round driver (:mod:`ciders_cloud.rounds`) calls these hooks and nothing else of an algorithm.
+The round driver (:mod:`ciders_cloud.round.aggregate`) calls these hooks and nothing else of an algorithm.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ciders_cloud.aggregation import aggregate
+from ciders_cloud.round.aggregation import aggregate
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams, gamma_schedule
 from ciders_edge.tensors import Tensors
 
 if TYPE_CHECKING:  # the cloud's models and run config import the strategies (the algorithm's name is checked)
-    from ciders_cloud.config import RunConfig
-    from ciders_cloud.server_state import ServerState
-    from ciders_cloud.teacher import CloudModels
+    from ciders_cloud.models.teacher import CloudModels
+    from ciders_cloud.run.config import RunConfig
+    from ciders_cloud.run.server_state import ServerState
 
 __all__ = ["Strategy", "CloudRound"]
 

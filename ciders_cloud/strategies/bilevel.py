@@ -14,18 +14,18 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ciders_cloud.device import to_cpu
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.models.device import to_cpu
+from ciders_cloud.models.takd import takd_terms
+from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies.hypergradient import indirect_term, second_order
-from ciders_cloud.takd import takd_terms
 from ciders_edge.data.records import batch_stream, load_examples
 from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, copy_into, lora_parameters, set_trainable
 from ciders_edge.tensors import Tensors
 
 if TYPE_CHECKING:  # the run config checks algorithm names against the strategies, which import this
-    from ciders_cloud.config import RunConfig, TakdConfig
+    from ciders_cloud.models.teacher import CloudModels
+    from ciders_cloud.run.config import RunConfig, TakdConfig
     from ciders_cloud.strategies.fednest import FedNestSettings
-    from ciders_cloud.teacher import CloudModels
 
 __all__ = ["TakdInner", "cloud_indirect_term"]
 

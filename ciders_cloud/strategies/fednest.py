@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from ciders_cloud.aggregation import weighted_sum
+from ciders_cloud.round.aggregation import weighted_sum
 from ciders_cloud.strategies.base import CloudRound
 from ciders_cloud.strategies.bilevel import cloud_indirect_term
 from ciders_cloud.strategies.fedavg import FedAvg
@@ -23,8 +23,8 @@ from ciders_edge.schedule import mean_lr_multiplier
 from ciders_edge.tensors import Tensors, add, norm
 
 if TYPE_CHECKING:
-    from ciders_cloud.config import RunConfig
-    from ciders_cloud.server_state import ServerState
+    from ciders_cloud.run.config import RunConfig
+    from ciders_cloud.run.server_state import ServerState
 
 __all__ = ["FedNestSettings", "FedNest", "LFedNest"]
 

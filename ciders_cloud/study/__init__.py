@@ -2,5 +2,5 @@
 
 ``simulate`` builds the study, ``round_loop`` runs its rounds, ``staging`` builds it beside ``--out``;
 ``partition`` splits the data over clients, ``diagnostics`` and ``evaluation`` score each round,
-``report`` draws the plots. Its folder's layout: :class:`ciders_cloud.run_folder.StudyFolder`.
+``report`` draws the plots. Its folder's layout: :class:`ciders_cloud.run.folder.StudyFolder`.
 """

@@ -2,7 +2,7 @@
 exact match, and the cross-domain NLL matrix with Delta_cross (paper §VI-E), on the AdapEmu; the
 matched-domain NLL of the personalized messenger on AdapFu (the full backbone) beside it; and the
 round-0 baseline every gain is measured from. The models run on the study's cloud device (bf16
-autocast on CUDA, as :mod:`ciders_cloud.device` says)."""
+autocast on CUDA, as :mod:`ciders_cloud.models.device` says)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from statistics import mean
 
 import torch
 
-from ciders_cloud.config import SimConfig
-from ciders_cloud.device import CPU, autocast
-from ciders_cloud.run_folder import StudyFolder
+from ciders_cloud.models.device import CPU, autocast
+from ciders_cloud.run.folder import StudyFolder
+from ciders_cloud.study.config import SimConfig
 from ciders_edge.data.records import load_examples, read_jsonl, to_chat
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState

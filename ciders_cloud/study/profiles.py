@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ciders_cloud.config import RunConfig, SimConfig
-from ciders_cloud.teacher import messenger_offset, profile_spec
-from ciders_edge.model.split import shift_layers
+from ciders_cloud.models.layers import ProfileLayers
+from ciders_cloud.run.config import RunConfig
+from ciders_cloud.study.config import SimConfig
 from ciders_edge.tensors import Tensors
 
 __all__ = ["StudyProfiles"]
@@ -18,26 +18,26 @@ __all__ = ["StudyProfiles"]
 @dataclass(frozen=True)
 class StudyProfiles:
     profile_of: dict[str, str]  # client id -> profile
-    offsets: dict[str, int]  # profile -> its messenger layers' AdapEmu indices minus v's
+    layers: dict[str, ProfileLayers]  # profile -> where its messenger layers sit, in the study's order
 
     @classmethod
     def of(cls, cfg: SimConfig, ids: list[str], run: RunConfig) -> StudyProfiles:
         profile_of = cfg.client_profiles(ids)
-        names = dict.fromkeys(profile_of.values())
-        return cls(profile_of, {p: messenger_offset(run, profile_spec(run, p)) for p in names})
+        layers = ProfileLayers.of(run)
+        return cls(profile_of, {p: layers[p] for p in dict.fromkeys(profile_of.values())})
 
     @property
     def groups(self) -> dict[str, list[str]]:
         """Each profile's clients, in the study's order."""
-        return {p: [c for c, q in self.profile_of.items() if q == p] for p in self.offsets}
+        return {p: [c for c, q in self.profile_of.items() if q == p] for p in self.layers}
 
     @property
     def mixed(self) -> bool:
-        return len(self.offsets) > 1
+        return len(self.layers) > 1
 
     def to_v_names(self, client: str, tensors: Tensors) -> Tensors:
         """A client's messenger tensors (Δ_i, its directions) named as v is."""
-        return shift_layers(tensors, -self.offsets[self.profile_of[client]])
+        return self.layers[self.profile_of[client]].to_global(tensors)
 
     def label(self, client: str) -> str:
         return f", {self.profile_of[client]}" if self.mixed else ""

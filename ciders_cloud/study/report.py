@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from ciders_cloud.run_folder import ReportFolder, StudyFolder
+from ciders_cloud.run.folder import ReportFolder, StudyFolder
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import fsync_tree, replace_dir, staging_dir
 

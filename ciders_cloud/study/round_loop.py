@@ -12,11 +12,11 @@ from statistics import mean
 import torch
 from safetensors.torch import load_file
 
-from ciders_cloud.config import SimConfig
-from ciders_cloud.prepare import load_run
-from ciders_cloud.rounds import aggregate_files, aggregate_probes
-from ciders_cloud.run_folder import StudyFolder
+from ciders_cloud.round.aggregate import aggregate_files, aggregate_probes
+from ciders_cloud.run.config import load_run
+from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.strategies import get_strategy, round_hyperparams_for
+from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.diagnostics import client_diagnostics
 from ciders_cloud.study.evaluation import evaluate_baseline, evaluate_groups
 from ciders_cloud.study.profiles import StudyProfiles
@@ -24,7 +24,7 @@ from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.progress import console
-from ciders_edge.training.train import probe, train
+from ciders_edge.training.train import RoundOptions, probe, train
 
 __all__ = ["run_rounds"]
 
@@ -55,10 +55,9 @@ def run_rounds(
                 study.train_data(cid),
                 study.client_state(cid),
                 packet,
-                profile=profiles.profile_of[cid],
-                codec=cfg.codec,
-                client_id=cid,
-                hypergradient=probed.get("h"),
+                RoundOptions(
+                    profile=profiles.profile_of[cid], codec=cfg.codec, client_id=cid, hypergradient=probed.get("h")
+                ),
             )
             packets.append(packet)
         agg = aggregate_files(run.root, packets, device)

@@ -2,12 +2,12 @@
 
 Each round, every sampled client runs :func:`ciders_edge.training.train.train` (``ciders-edge train``)
 on its own data and state folder and writes a real packet; the cloud runs
-:func:`ciders_cloud.rounds.aggregate_files` (``ciders-cloud aggregate``) on those packets. The
+:func:`ciders_cloud.round.aggregate.aggregate_files` (``ciders-cloud aggregate``) on those packets. The
 algorithm is the run's strategy; diagnostics and evaluations go to the study's ``metrics.jsonl``.
 With ``--profile-mix`` the clients run different device profiles (:mod:`.profiles`), each on its own
 profile's bundle.
 
-This module builds the study (its data, the prepared run: :class:`ciders_cloud.run_folder.StudyFolder`
+This module builds the study (its data, the prepared run: :class:`ciders_cloud.run.folder.StudyFolder`
 draws the tree); :mod:`.round_loop` runs the rounds; :mod:`.staging` builds it all in a hidden
 folder beside ``--out`` and renames it into place after the last round.
 """
@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from ciders_cloud.config import RunConfig, SimConfig, TakdConfig
-from ciders_cloud.device import cloud_device
+from ciders_cloud.models.device import cloud_device
 from ciders_cloud.prepare import prepare
-from ciders_cloud.run_folder import StudyFolder
-from ciders_cloud.splits import fleet_split
+from ciders_cloud.run.config import RunConfig, TakdConfig
+from ciders_cloud.run.folder import StudyFolder
+from ciders_cloud.run.splits import fleet_split
+from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.partition import partition
 from ciders_cloud.study.round_loop import run_rounds
 from ciders_cloud.study.staging import staged

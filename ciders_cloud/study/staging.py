@@ -1,7 +1,7 @@
 """A study is built in a hidden folder beside ``--out`` and renamed into place after its last round.
 
 So a failed run leaves no ``--out`` to block its rerun. The hidden folder holds the run lock
-(:mod:`ciders_cloud.lock`) while its process lives: a killed run's folder has a lock nobody holds,
+(:mod:`ciders_cloud.run.lock`) while its process lives: a killed run's folder has a lock nobody holds,
 and the next run for the same ``--out`` sweeps it.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ciders_cloud.lock import run_lock
-from ciders_cloud.prepare import load_run
-from ciders_cloud.run_folder import LOCK_FILE, StudyFolder
+from ciders_cloud.run.config import load_run
+from ciders_cloud.run.folder import LOCK_FILE, StudyFolder
+from ciders_cloud.run.lock import run_lock
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.atomic import fsync_dir, staging_dir, write_json
 

@@ -51,7 +51,7 @@ def train(
             "batch_size": batch_size,
             "grad_accum": grad_accum,
         }
-        from ciders_edge.training.train import train as train_round  # torch, transformers: when training
+        from ciders_edge.training.train import RoundOptions, train  # torch, transformers: when training
 
         key = read_key_file(key_file) if key_file else None
         with LazyBar("local steps") as bar:
@@ -60,11 +60,8 @@ def train(
                 extra = f"  r_fd {m['r_fd']:.2e}" if "r_fd" in m else ""
                 bar.update(m["steps"], f"loss {m['loss']:.3f}  |g| {m['grad_norm']:.3f}{extra}")
 
-            output = train_round(
-                bundle, data, state, out,
-                profile=profile, codec=codec, client_id=client_id, key=key, overrides=overrides, on_step=on_step,
-            )  # fmt: skip
-            return output.summary
+            options = RoundOptions(client_id, profile, codec, key, overrides=overrides, on_step=on_step)
+            return train(bundle, data, state, out, options).summary
 
     def render(s: dict) -> None:
         if s.get("resent"):  # the notice said it: a committed round's packet, sent again

@@ -133,12 +133,12 @@ def train_pending(
     """One round: rebuild and verify the bundle, train (``ciders-edge train``'s code), keep the new
     state pending; returns the packet and the training summary."""
     from ciders_edge.formats.packet import read_key_file
-    from ciders_edge.training.round import run_round  # transformers: only when training
+    from ciders_edge.training.round import RoundOptions, train_round  # transformers: only when training
 
     state = settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere)
     bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
     key = read_key_file(cfg.key) if cfg.key is not None else None
-    out = run_round(bundle, cfg.data, state, client_id=client_id, profile=cfg.profile, codec=cfg.codec, key=key)
+    out = train_round(bundle, cfg.data, state, RoundOptions(client_id, cfg.profile, cfg.codec, key))
     out.state.save(cfg.state / PENDING)
     append_jsonl(cfg.state / METRICS_LOG, [{"round": bundle.round, **s} for s in out.result.steps])
     return out.packet_bytes, out.summary

@@ -1,9 +1,9 @@
 """One round of the CIDERS edge update, in memory: K local steps on the AdapEmu, then the Δc packet.
 
-:func:`train_round` is the algorithm's round (docs/design.md §3) on a loaded model and data;
-:func:`run_round` loads the bundle's AdapEmu and the data on the profile's device and calls it.
-Neither writes a file: :func:`ciders_edge.training.train.train` writes the packet and the state,
-the Flower edge sends the packet over the network.
+:func:`train_round` loads the bundle's AdapEmu and the data on the profile's device and runs
+:func:`local_round`, the algorithm's round (docs/design.md §3) on a loaded model. Neither writes a
+file: :func:`ciders_edge.training.train.train` writes the packet and the state, the Flower edge
+sends the packet over the network. :class:`RoundOptions` carries the caller's choices through all three.
 """
 
 from __future__ import annotations
@@ -29,7 +29,29 @@ from ciders_edge.training.equations import reconstruct_displacement
 from ciders_edge.training.local_steps import LocalResult, local_update
 from ciders_edge.training.objective import MessengerObjective
 
-__all__ = ["RoundOutput", "train_round", "run_round", "load_round", "check_state", "round_hyperparams"]
+__all__ = [
+    "RoundOptions",
+    "RoundOutput",
+    "train_round",
+    "local_round",
+    "load_round",
+    "check_state",
+    "round_hyperparams",
+]
+
+
+@dataclass(frozen=True)
+class RoundOptions:
+    """What a caller chooses about a round besides the bundle, the data and the state."""
+
+    client_id: str | None = None  # needed on first use (``train``'s default: the host name)
+    profile: str | None = None  # device profile name or .toml path (dtype, device, batch shape)
+    codec: str = "fp32"  # the packet's codec (fp32, bf16, int8, ...)
+    key: bytes | None = None  # the client key that authenticates the packet (None: unsigned)
+    overrides: dict = field(default_factory=dict)  # round hyperparameters to override (local_steps, eta, ...)
+    on_step: Callable[[dict], None] | None = None  # called with each local step's metrics
+    hypergradient: Tensors | None = None  # FedNest's global hypergradient h for the svrg direction
+    seed: int = 0  # of the data order, with the client id and round
 
 
 @dataclass
@@ -63,25 +85,13 @@ def check_state(state: ClientState | None, bundle: Bundle) -> None:
         raise StateError(f"this state already trained round {state.round}; wait for round {state.round + 1}'s bundle")
 
 
-def train_round(
-    edge: EdgeModel,
-    examples: list[Example],
-    state: ClientState | None,
-    hp: RoundHyperparams,
-    *,
-    client_id: str,
-    codec: str = "fp32",
-    key: bytes | None = None,
-    seed: int = 0,
-    on_step: Callable[[dict], None] | None = None,
-    control: Tensors | None = None,
+def local_round(
+    edge: EdgeModel, examples: list[Example], state: ClientState | None, hp: RoundHyperparams, options: RoundOptions
 ) -> RoundOutput:
-    """Run K local steps and encode dc_i; the state advances by the *decoded* increment.
-
-    ``control`` is FedNest's global hypergradient for the svrg solver; when the round asks for
-    ``grad_y_in_packet`` (LFedNest) the packet also carries grad_y f_i at the bundle's point."""
+    """Run K local steps and encode dc_i; the state advances by the *decoded* increment. When the round
+    asks for ``grad_y_in_packet`` (LFedNest) the packet also carries grad_y f_i at the bundle's point."""
     bundle = edge.bundle
-    check_state(state, bundle)
+    client_id, seed = options.client_id or "", options.seed
     v_all = {k: t.float() for k, t in bundle.messenger_lora().items()}
     v = {k: t for k, t in v_all.items() if edge.split.trains(k)}  # the layers this profile trains; the rest stay v
     c = {k: t.float() for k, t in bundle.consensus().items()}
@@ -104,7 +114,7 @@ def train_round(
         edge, examples, hp.batch_size, hp.grad_accum, round_seed(seed, client_id, bundle.round)
     )
     x0 = {k: state.personalized[k] for k in v} if hp.start_from == "personalized" and state.personalized else v
-    result = local_update(v, c, state.c_i, objective, hp, on_step, x0=x0, control=control)
+    result = local_update(v, c, state.c_i, objective, hp, options.on_step, x0=x0, control=options.hypergradient)
     _check_finite(result)
     losses = [s["loss"] for s in result.steps]
     metrics = {
@@ -119,8 +129,9 @@ def train_round(
         "c_i_digest": consensus_digest(state.c_i),  # the cloud checks its copy of c_i is this one
     }
     tensors = {**result.dc, **grad_y}
-    data = Packet(client_id, bundle.round, bundle.bundle_id, codec, len(examples), tensors, metrics).to_bytes(key)
-    packet = Packet.from_bytes(data, key)
+    packet = Packet(client_id, bundle.round, bundle.bundle_id, options.codec, len(examples), tensors, metrics)
+    data = packet.to_bytes(options.key)
+    packet = Packet.from_bytes(data, options.key)
     dc = {k: packet.tensors[k] for k in v}
     new_state = ClientState(
         client_id,
@@ -143,43 +154,31 @@ def train_round(
     return RoundOutput(packet, data, new_state, result, delta_sent)
 
 
-def run_round(
-    b: Bundle,
-    data: str | Path,
-    state: ClientState | None,
-    *,
-    client_id: str,
-    profile: str | None = None,
-    codec: str = "fp32",
-    key: bytes | None = None,
-    overrides: dict | None = None,
-    on_step: Callable[[dict], None] | None = None,
-    hypergradient: Tensors | None = None,
-) -> RoundOutput:
-    """Load the bundle's AdapEmu and the data, run :func:`train_round` and fill its summary."""
-    hp, edge, examples = load_round(b, data, profile, overrides or {})
-    out_round = train_round(
-        edge, examples, state, hp, client_id=client_id, codec=codec, key=key, on_step=on_step, control=hypergradient
-    )
-    rfd = [m["r_fd"] for m in out_round.result.steps if "r_fd" in m]
-    p = out_round.packet
-    out_round.summary = {
-        "client_id": client_id,
+def train_round(b: Bundle, data: str | Path, state: ClientState | None, options: RoundOptions) -> RoundOutput:
+    """Check the state against the bundle, load the bundle's AdapEmu and the data, run :func:`local_round`
+    and fill its summary."""
+    check_state(state, b)
+    hp, edge, examples = load_round(b, data, options.profile, options.overrides)
+    output = local_round(edge, examples, state, hp, options)
+    rfd = [m["r_fd"] for m in output.result.steps if "r_fd" in m]
+    p = output.packet
+    output.summary = {
+        "client_id": p.client_id,
         "round": b.round,
         "bundle_id": b.bundle_id,
         "solver": hp.solver,
-        "codec": codec,
+        "codec": options.codec,
         "steps": hp.local_steps,
         "examples": len(examples),
         "loss_first": p.metrics["loss_first"],
         "loss_last": p.metrics["loss_last"],
         "dc_norm": p.metrics["dc_norm"],
-        "c_i_norm": norm(out_round.state.c_i),
+        "c_i_norm": norm(output.state.c_i),
         "r_fd": sum(rfd) / len(rfd) if rfd else None,
         "raw_bytes": p.raw_bytes,
-        "packet_bytes": len(out_round.packet_bytes),
+        "packet_bytes": len(output.packet_bytes),
     }
-    return out_round
+    return output
 
 
 def load_round(b: Bundle, data, profile: str | None, overrides: dict, live_backbone: bool = False):

@@ -1,17 +1,17 @@
 """``ciders-edge train`` from Python: one round on files, the only public entry to edge training.
 
 :func:`train` reads the bundle, the data and the state folder, runs the round
-(:func:`ciders_edge.training.round.run_round`) and writes the Δc packet, the state and the metrics
+(:func:`ciders_edge.training.round.train_round`) and writes the Δc packet, the state and the metrics
 log, each atomically. The packet's bytes are on disk before the state is saved but it is published
 (renamed into place) after, so a failure between (a full disk) leaves neither. ``simulate`` and the
-CLI call it; the Flower edge calls ``run_round`` directly, since its packet goes to the network.
+CLI call it; the Flower edge calls ``train_round`` directly, since its packet goes to the network.
 :func:`probe` is FedNest's extra exchange.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from rich.markup import escape
@@ -24,58 +24,36 @@ from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 from ciders_edge.formats.lock import folder_lock
 from ciders_edge.formats.packet import PROBE_KIND, Packet
 from ciders_edge.progress import console
-from ciders_edge.tensors import Tensors
 from ciders_edge.training.bilevel import client_gradients
 from ciders_edge.training.local_steps import LocalResult
-from ciders_edge.training.round import RoundOutput, check_state, load_round, round_seed, run_round
+from ciders_edge.training.round import RoundOptions, RoundOutput, check_state, load_round, round_seed, train_round
 
-__all__ = ["train", "probe", "UNSENT_PACKET"]
+__all__ = ["train", "probe", "RoundOptions", "UNSENT_PACKET"]
 
 UNSENT_PACKET = "unsent.pkt"  # in the state folder: the committed round's packet until it is published
 
 
 def train(
-    bundle: str | Path,
-    data: str | Path,
-    state_dir: str | Path,
-    out: str | Path,
-    *,
-    client_id: str | None = None,
-    profile: str | None = None,
-    codec: str = "fp32",
-    key: bytes | None = None,
-    overrides: dict | None = None,
-    on_step: Callable[[dict], None] | None = None,
-    hypergradient: Tensors | None = None,
+    bundle: str | Path, data: str | Path, state_dir: str | Path, out: str | Path, options: RoundOptions | None = None
 ) -> RoundOutput:
     """Train one round and write the packet to ``out`` and the advanced state to ``state_dir``.
 
-    Args:
-        client_id: needed on first use (default: the host name); must match an existing state's.
-        profile: device profile name or .toml path (dtype, device, batch shape).
-        codec: the packet's codec (``fp32``, ``bf16``, ``int8``, ...).
-        key: the client key that authenticates the packet (``None``: unsigned).
-        overrides: round hyperparameters to override (``local_steps``, ``eta``, ``solver``, ...).
-        hypergradient: FedNest's global hypergradient for the svrg solver.
-
-    Returns:
-        The round's output; ``.summary`` is what ``ciders-edge train --json`` prints.
+    ``options`` (:class:`~ciders_edge.training.round.RoundOptions`) name the client (on first use; by
+    default the host name), the device profile, the packet's codec and key, and hyperparameter
+    overrides. Returns the round's output; ``.summary`` is what ``ciders-edge train --json`` prints.
     """
+    options = options or RoundOptions()
     b = Bundle.load(bundle)
     Path(state_dir).mkdir(parents=True, exist_ok=True)
     with folder_lock(state_dir, "ciders-edge train"):  # one round at a time on a state; cleans up a killed one
         state = ClientState.load(state_dir)
-        resent = _publish_unsent(Path(state_dir), state, b, Path(out), key)
+        resent = _publish_unsent(Path(state_dir), state, b, Path(out), options.key)
         if resent is not None:
             return resent
-        check_state(state, b)
-        if state is not None and client_id is not None and client_id != state.client_id:
-            raise ConfigError(f"--client-id {client_id!r} differs from the state's {state.client_id!r}")
-        cid = state.client_id if state is not None else client_id or os.uname().nodename
-        output = run_round(
-            b, data, state, client_id=cid, profile=profile, codec=codec, key=key,
-            overrides=overrides, on_step=on_step, hypergradient=hypergradient,
-        )  # fmt: skip
+        if state is not None and options.client_id not in (None, state.client_id):
+            raise ConfigError(f"--client-id {options.client_id!r} differs from the state's {state.client_id!r}")
+        cid = state.client_id if state is not None else options.client_id or os.uname().nodename
+        output = train_round(b, data, state, replace(options, client_id=cid))
         unsent = Path(state_dir) / UNSENT_PACKET
         with pending_bytes(out, output.packet_bytes):  # no packet without its state: published last
             write_bytes(unsent, output.packet_bytes)  # kept with the state until it is published

@@ -17,16 +17,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from ciders_cloud.device import autocast
-from ciders_cloud.server_state import optimizer_from_tensors, optimizer_to_tensors
+from ciders_cloud.models.device import autocast
+from ciders_cloud.run.server_state import optimizer_from_tensors, optimizer_to_tensors
 from ciders_edge.data.records import IGNORE, Example, batch_stream, load_examples
 from ciders_edge.model.forward import backbone_hidden, messenger_logits
 from ciders_edge.model.lora import BACKBONE_ADAPTER, lora_parameters, set_trainable
 from ciders_edge.progress import progress_bar
 
 if TYPE_CHECKING:  # the run config checks algorithm names against the strategies, whose FedNest uses TAKD's loss
-    from ciders_cloud.config import RunConfig, TakdConfig
-    from ciders_cloud.teacher import CloudModels
+    from ciders_cloud.models.teacher import CloudModels
+    from ciders_cloud.run.config import RunConfig, TakdConfig
 
 __all__ = ["hidden_term", "task_term", "takd_loss", "takd_terms", "Distiller", "public_split", "TERMS"]
 
@@ -103,7 +103,7 @@ def takd_loss(
 def takd_terms(models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -> dict[str, Tensor]:
     """Eq. (2) on one batch, differentiable in whatever requires grad (the teacher's messenger is the
     AdapEmu's, so the loss depends on the messenger LoRA through both sides). The caller picks the
-    precision (:func:`ciders_cloud.device.autocast` or none)."""
+    precision (:func:`ciders_cloud.models.device.autocast` or none)."""
     m, split = models, models.split
     batch = m.on_device(batch)
     ids, mask = batch["input_ids"], batch["attention_mask"]

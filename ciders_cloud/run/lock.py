@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ciders_cloud.run_folder import RunFolder
+from ciders_cloud.run.folder import RunFolder
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.lock import folder_lock
 

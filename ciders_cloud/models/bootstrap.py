@@ -21,10 +21,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
-from ciders_cloud.config import RunConfig, TakdConfig
-from ciders_cloud.device import autocast
-from ciders_cloud.takd import Distiller, hidden_term
-from ciders_cloud.teacher import CloudModels
+from ciders_cloud.models.device import autocast
+from ciders_cloud.models.takd import Distiller, hidden_term
+from ciders_cloud.models.teacher import CloudModels
+from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_edge.data.records import Example, batch_stream
 from ciders_edge.errors import StateError
 from ciders_edge.formats.atomic import write_safetensors

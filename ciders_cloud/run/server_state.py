@@ -1,7 +1,7 @@
 """Server state (v, c, every c_i, backbone LoRA, TAKD optimizer, RNG, round), saved per round.
 
 Written as one directory swapped in atomically, so a crash leaves the previous round whole. Its
-file names are the run folder's (:mod:`ciders_cloud.run_folder`); ``state.json`` is the statedir's.
+file names are the run folder's (:mod:`ciders_cloud.run.folder`); ``state.json`` is the statedir's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ciders_cloud.run_folder import BACKBONE_LORA, CLIENT_CONSENSUS, CONSENSUS, MESSENGER_LORA, TAKD_OPTIMIZER
+from ciders_cloud.run.folder import BACKBONE_LORA, CLIENT_CONSENSUS, CONSENSUS, MESSENGER_LORA, TAKD_OPTIMIZER
 from ciders_edge.errors import StateError
 from ciders_edge.formats.statedir import INT, OBJECT, STR, Field, list_of, load_state_dir, optional, save_state_dir
 

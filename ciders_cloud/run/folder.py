@@ -24,7 +24,7 @@ A run folder, made by ``ciders-cloud prepare --out RUN`` (:class:`RunFolder`)::
         serverapp.lock                      one ServerApp per run                     .serverapp_lock
         flwr/                               the Flower home of serve's flwr commands  .flower_home
         superlink.db, superlink.log         the SuperLink serve starts                .superlink_db, .superlink_log
-      .lock                               one writer at a time (ciders_cloud.lock)    .lock
+      .lock                               one writer at a time (ciders_cloud.run.lock)    .lock
 
 A study, made by ``ciders-cloud simulate --out OUT`` (:class:`StudyFolder`)::
 

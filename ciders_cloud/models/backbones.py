@@ -9,7 +9,7 @@ exactly what they were before there could be several.
 
 from __future__ import annotations
 
-from ciders_cloud.config import RunConfig
+from ciders_cloud.run.config import RunConfig
 from ciders_edge.errors import StateError
 from ciders_edge.tensors import Tensors
 

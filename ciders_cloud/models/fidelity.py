@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ciders_cloud.device import autocast
-from ciders_cloud.teacher import CloudModels
+from ciders_cloud.models.device import autocast
+from ciders_cloud.models.teacher import CloudModels
 from ciders_edge.config import ConfigMixin
 from ciders_edge.data.records import Example, collate
 from ciders_edge.model.forward import backbone_hidden, messenger_logits, response_positions

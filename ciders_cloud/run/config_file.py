@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-from ciders_cloud.config import RunConfig
-from ciders_cloud.study.simulate import SimConfig
+from ciders_cloud.run.config import RunConfig
+from ciders_cloud.study.config import SimConfig
 from ciders_edge.config import read_toml
 from ciders_edge.errors import ConfigError
 from ciders_edge.model.lora import LoraSettings

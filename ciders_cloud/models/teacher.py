@@ -10,26 +10,27 @@ indices; v, c and every c_i are named as the reference backbone's AdapEmu names 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+from safetensors.torch import load_file
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ciders_cloud.backbones import unpack
-from ciders_cloud.config import RunConfig, backbone_name
-from ciders_cloud.device import CPU, to_cpu
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.models.backbones import unpack
+from ciders_cloud.models.device import CPU, to_cpu
+from ciders_cloud.models.layers import messenger_offset, split_for
+from ciders_cloud.run.config import RunConfig, backbone_name
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import StateError
-from ciders_edge.model.families import family_of
 from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, attach_lora, load_lora_state, lora_state
 from ciders_edge.model.sources import load_model, load_tokenizer
 from ciders_edge.model.split import SplitSpec, build_adapemu, shift_layers
 from ciders_edge.tensors import Tensors
 
-__all__ = ["CloudModels", "build_cloud_models", "build_backbones", "split_for", "profile_spec", "messenger_offset"]
+__all__ = ["CloudModels", "build_cloud_models", "build_backbones", "load_cloud_models"]
 
 
 @dataclass
@@ -88,37 +89,11 @@ class CloudModels:
         return {k: v.to("cpu", copy=True) for k, v in lora_state(self.emu, BACKBONE_ADAPTER).items()}
 
 
-def split_for(run: RunConfig, drop_ratio: float | None = None) -> SplitSpec:
-    """The split of the run's learnable backbone of ``drop_ratio`` (default: the reference), from the
-    model's config alone."""
-    drop = run.drop_ratio if drop_ratio is None else drop_ratio
-    return SplitSpec.from_drop_ratio(_num_layers(run.model_path), run.messenger_depth, drop)
-
-
-@functools.cache
-def _num_layers(model_path: str) -> int:
-    """The model's layer count, its family checked; read once (intake asks per packet and profile)."""
-    config = AutoConfig.from_pretrained(model_path)
-    family_of(config)
-    return config.num_hidden_layers
-
-
-def profile_spec(run: RunConfig, profile: str) -> SplitSpec:
-    """The split ``profile`` trains: its backbone's, with its own number of messenger layers."""
-    trained, drop = run.profile_split(profile)
-    return dataclasses.replace(split_for(run, drop), trained=trained)
-
-
-def messenger_offset(run: RunConfig, split: SplitSpec) -> int:
-    """Where ``split``'s messenger layers sit in its AdapEmu, relative to the reference backbone's."""
-    return split.n_kept - split_for(run).n_kept
-
-
 def build_backbones(
     run: RunConfig, state: ServerState | None = None, aligned: Tensors | None = None, device: torch.device = CPU
 ) -> dict[str, CloudModels]:
     """One :class:`CloudModels` per learnable backbone of the run (reference first), over one teacher;
-    ``state`` and ``aligned`` hold every backbone's tensors (:mod:`ciders_cloud.backbones`)."""
+    ``state`` and ``aligned`` hold every backbone's tensors (:mod:`ciders_cloud.models.backbones`)."""
     names = run.backbone_names
     backbone_lora = unpack(state.backbone, names, names[0], "server state") if state is not None else {}
     aligned_parts = unpack(aligned or {}, names, names[0], "aligned layers")
@@ -172,3 +147,12 @@ def build_cloud_models(
         models.load_messenger(state.messenger)
         load_lora_state(model, state.backbone, BACKBONE_ADAPTER)
     return models
+
+
+def load_cloud_models(
+    run_dir: Path, run: RunConfig, state: ServerState, device: torch.device = CPU
+) -> dict[str, CloudModels]:
+    """The run's models as the last command left them (source model, aligned layers, LoRA state), on
+    ``device``: one per learnable backbone, by name, the reference first."""
+    aligned = RunFolder(run_dir).aligned
+    return build_backbones(run, state, load_file(aligned) if aligned.is_file() else None, device)

@@ -2,7 +2,7 @@
 
 Every check runs before any state changes: a packet for another round or bundle, from an unknown or
 repeated client, with a bad tag, the wrong tensors, or a displacement that is not finite or an outlier.
-``ciders-cloud aggregate`` (:mod:`ciders_cloud.rounds`) and the fleet's coordinator both come through here.
+``ciders-cloud aggregate`` (:mod:`ciders_cloud.round.aggregate`) and the fleet's coordinator both come through here.
 """
 
 from __future__ import annotations
@@ -17,21 +17,20 @@ from pathlib import Path
 
 import torch
 
-from ciders_cloud.config import RunConfig
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.models.layers import ProfileLayers
+from ciders_cloud.run.config import RunConfig
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for, strategy_for
-from ciders_cloud.teacher import messenger_offset, profile_spec
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.packet import PROBE_KIND, Packet, PacketHeader, consensus_digest, read_key_file
 from ciders_edge.hyperparams import RoundHyperparams
-from ciders_edge.model.split import layer_of, rename_layer, shift_layers
+from ciders_edge.model.split import layer_of
 from ciders_edge.tensors import Tensors, norm
 
 __all__ = [
     "Received",
-    "ProfileLayers",
     "read_packets",
     "check_packets",
     "check_round",
@@ -62,31 +61,6 @@ class Received:
         if self.decoded is None:
             raise RuntimeError(f"{self.where}: the packet's tensors are read only by check_packets")
         return self.decoded
-
-
-@dataclass(frozen=True)
-class ProfileLayers:
-    """What a profile's packets hold: Δc of the messenger layers it trains, named by its AdapEmu,
-    whose messenger layers sit ``offset`` indices above the reference backbone's (v's names)."""
-
-    offset: int
-    trained: tuple[str, ...]  # v's names of the tensors it trains
-
-    @classmethod
-    def of(cls, run: RunConfig, state: ServerState) -> dict[str, ProfileLayers]:
-        out = {}
-        for profile in run.profiles:
-            split = profile_spec(run, profile)
-            offset = messenger_offset(run, split)
-            trained = tuple(k for k in state.messenger if split.trains(rename_layer(k, offset)))
-            out[profile] = cls(offset, trained)
-        return out
-
-    def to_own(self, tensors: Tensors) -> Tensors:
-        return shift_layers(tensors, self.offset)
-
-    def to_global(self, tensors: Tensors) -> Tensors:
-        return shift_layers(tensors, -self.offset)
 
 
 def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received]:

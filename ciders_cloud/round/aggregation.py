@@ -6,7 +6,7 @@ them, and a tensor no participant trained keeps its ``v`` and ``c``. When every 
 layer this is the paper's eq. (12), to the bit.
 
 (13), the warm-started TAKD of the learnable backbone with the new messenger held fixed, is
-:class:`ciders_cloud.takd.Distiller`.
+:class:`ciders_cloud.models.takd.Distiller`.
 """
 
 from __future__ import annotations

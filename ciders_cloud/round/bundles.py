@@ -7,14 +7,15 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from ciders_cloud.backbones import backbone_part
-from ciders_cloud.config import RunConfig, backbone_name
-from ciders_cloud.device import to_cpu
-from ciders_cloud.fidelity import Fidelity
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.models.backbones import backbone_part
+from ciders_cloud.models.device import to_cpu
+from ciders_cloud.models.fidelity import Fidelity
+from ciders_cloud.models.layers import profile_spec
+from ciders_cloud.models.teacher import CloudModels
+from ciders_cloud.run.config import RunConfig, backbone_name
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for
-from ciders_cloud.teacher import CloudModels, profile_spec
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle, BundleContents
 from ciders_edge.model.lora import peft_config

@@ -1,7 +1,7 @@
 """``ciders-cloud aggregate``: one cloud round, from Δc packets to the next round's bundles (eq. 11–13),
 and the first exchange of a round for a strategy that asks for one (FedNest's hypergradient).
 
-Every packet is checked by :mod:`ciders_cloud.intake` before any state changes. The round commits
+Every packet is checked by :mod:`ciders_cloud.round.intake` before any state changes. The round commits
 in two moves: round t+1's bundles are written first (unreferenced until the state says so), then
 the server state is swapped in atomically. A rerun after a crash either redoes the round from scratch (same seeds,
 same result) or, if the state already moved on with exactly these packets, reports it again.
@@ -15,19 +15,19 @@ from pathlib import Path
 
 import torch
 
-from ciders_cloud.aggregation import participation_weights, reconstruct_displacement
-from ciders_cloud.backbones import backbone_part, label, pack, tagged
-from ciders_cloud.bundles import write_bundles
-from ciders_cloud.config import RunConfig
-from ciders_cloud.device import cloud_device
-from ciders_cloud.fidelity import Fidelity, measure_fidelity
-from ciders_cloud.intake import Received, check_displacements, check_round, client_consensus, read_packets
-from ciders_cloud.prepare import fidelity_record, load_cloud_models, load_run, write_round_log
-from ciders_cloud.run_folder import RunFolder
-from ciders_cloud.server_state import ServerState
+from ciders_cloud.models.backbones import backbone_part, label, pack, tagged
+from ciders_cloud.models.device import cloud_device
+from ciders_cloud.models.fidelity import Fidelity, measure_fidelity
+from ciders_cloud.models.takd import Distiller, public_split
+from ciders_cloud.models.teacher import CloudModels, load_cloud_models
+from ciders_cloud.round.aggregation import participation_weights, reconstruct_displacement
+from ciders_cloud.round.bundles import write_bundles
+from ciders_cloud.round.intake import Received, check_displacements, check_round, client_consensus, read_packets
+from ciders_cloud.run.config import RunConfig, load_run
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.logs import fidelity_record, write_round_log
+from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import CloudRound, strategy_for
-from ciders_cloud.takd import Distiller, public_split
-from ciders_cloud.teacher import CloudModels
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.formats.packet import PROBE_KIND

@@ -1,0 +1,29 @@
+"""The run's TAKD and fidelity log (``distill_log.jsonl``), written before each state commit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ciders_cloud.models.fidelity import Fidelity
+from ciders_cloud.run.server_state import ServerState
+from ciders_edge.formats.atomic import write_jsonl
+
+__all__ = ["fidelity_record", "write_round_log"]
+
+
+def fidelity_record(round_: int, takd_step: int, fidelity: Fidelity | None) -> dict:
+    return {"type": "fidelity", "round": round_, "takd_step": takd_step, **(fidelity.to_dict() if fidelity else {})}
+
+
+def write_round_log(path: Path, committed: ServerState, records: list[dict]) -> None:
+    """Add ``records`` to the log *before* the state commit, replacing whatever an interrupted attempt
+    left: a TAKD or fidelity record past ``committed``'s round or TAKD step is from an attempt that
+    never committed. So a rerun after a kill logs each step exactly once."""
+    logged = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    write_jsonl(path, [rec for rec in logged if _committed(rec, committed)] + records)
+
+
+def _committed(rec: dict, state: ServerState) -> bool:
+    step = {"takd": rec.get("step"), "fidelity": rec.get("takd_step")}.get(rec.get("type"))
+    return step is None or (rec.get("round", 0) <= state.round and step <= state.takd_step)

@@ -1,0 +1,97 @@
+"""``simulate``'s config: a study's clients, rounds, partition, evaluation and the run it prepares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ciders_cloud.run.config import GAMMA_SCHEDULES, TakdConfig
+from ciders_cloud.strategies import STRATEGIES, FedNestSettings, get_strategy
+from ciders_edge.config import ConfigMixin, check_limit
+from ciders_edge.errors import ConfigError
+from ciders_edge.formats.packet import CODECS
+from ciders_edge.hyperparams import RoundHyperparams
+
+__all__ = ["SimConfig", "parse_profile_mix"]
+
+
+def parse_profile_mix(text: str) -> dict[str, int]:
+    """``"cpu-laptop:3,rpi5-8gb:2"`` as ``{"cpu-laptop": 3, "rpi5-8gb": 2}`` (order kept)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, count = item.rpartition(":")
+        digits = count.isascii() and count.isdigit() and len(count) < 19  # no '²', no 5,000-digit count
+        if not (sep and name and digits and int(count) > 0) or name in out:
+            raise ConfigError(
+                f"--profile-mix takes PROFILE:COUNT,... with each profile once and counts >= 1, got {item!r}"
+            )
+        check_limit("clients", int(count), f"--profile-mix {name}'s count")
+        out[name] = int(count)
+    return out
+
+
+@dataclass
+class SimConfig(ConfigMixin):
+    """Everything ``simulate`` takes; TOML keys equal these names, CLI flags override them.
+
+    ``clients`` is the number of simulated edges, as the ``--clients`` flag, a config file's key and
+    every study's ``config.json`` say; a list of client ids is always ``client_ids`` (RunConfig's).
+    """
+
+    CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES, "codec": CODECS}
+    TABLES = {"hyperparameters": RoundHyperparams, "takd": TakdConfig, "fednest": FedNestSettings}
+
+    model: str = "tiny"
+    data: list[str] = field(default_factory=list)
+    eval_data: list[str] = field(default_factory=list)  # per-file: each client's own evaluation file
+    clients: int = 3
+    rounds: int = 3
+    local_steps: int = 20  # K, as RoundHyperparams
+    algorithm: str = "ciders-fo"
+    partition: str = "iid"  # iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file
+    participation: float = 1.0
+    seed: int = 0
+    eval_every: int = 1
+    eval_examples: int = 16  # held-out records per client scored for NLL
+    eval_generate: int = 4  # held-out records per client answered for ROUGE-L / exact match
+    holdout: float = 0.1
+    max_records: int = 0  # cap per client (0: all)
+    public_data: str = ""  # TAKD data; default: a sample of the clients' training data
+    profile: str = "cpu-laptop"
+    profile_mix: str = ""  # "cpu-laptop:3,rpi5-8gb:2": a mixed fleet, clients taken in order (overrides profile)
+    profile_splits: dict = field(default_factory=dict)  # RunConfig's: a profile's own depth and drop ratio
+    messenger_depth: int | None = None
+    drop_ratio: float | None = None
+    layer_steps: int | None = None  # prepare's bootstrap (None: the defaults of `prepare`)
+    align_steps: int | None = None
+    codec: str = "fp32"
+    gamma_schedule: str = "constant"
+    hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
+    takd: dict = field(default_factory=dict)  # TakdConfig overrides
+    fednest: dict = field(default_factory=dict)  # FedNestSettings overrides (fednest and lfednest)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.data:
+            raise ConfigError("simulate needs at least one --data file")
+        if not 0.0 < self.participation <= 1.0:
+            raise ConfigError(f"`participation` must be in (0, 1], got {self.participation}")
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"`holdout` must be in (0, 1), got {self.holdout}")
+        if self.eval_data and (self.partition != "per-file" or len(self.eval_data) != len(self.data)):
+            raise ConfigError("`eval_data` takes one evaluation file per --data file, with the per-file partition")
+        get_strategy(self.algorithm)
+        mix = self.mix
+        if mix and sum(mix.values()) != self.clients:
+            raise ConfigError(
+                f"--profile-mix {self.profile_mix} makes {sum(mix.values())} clients, but `clients` is {self.clients}"
+            )
+
+    @property
+    def mix(self) -> dict[str, int]:
+        """``profile_mix`` parsed: clients per profile, in order (empty: every client on ``profile``)."""
+        return parse_profile_mix(self.profile_mix)
+
+    def client_profiles(self, ids: list[str]) -> dict[str, str]:
+        """Each client's profile: the mix's, clients taken in order, or ``profile`` for all."""
+        names = [name for name, count in self.mix.items() for _ in range(count)] or [self.profile] * len(ids)
+        return dict(zip(ids, names, strict=True))
