@@ -166,10 +166,15 @@ class ConfigMixin:
     TABLES: ClassVar[dict[str, type[ConfigMixin]]] = {}
 
     def __post_init__(self) -> None:
-        """Every integer field within :data:`LIMITS` (subclasses call this first)."""
+        """Every integer field within :data:`LIMITS` and every ``CHOICES`` field one of its values
+        (subclasses call this first)."""
         for key, hint in self.field_types().items():
             if int in _members(hint):
                 check_limit(key, getattr(self, key))
+        for key, choices in self.CHOICES.items():
+            if (value := getattr(self, key)) not in choices:
+                spelled = ", ".join(str(c) if c != "" else '""' for c in choices)
+                raise ConfigError(f"`{key}` must be one of {spelled}, got {value!r}.")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]

@@ -71,10 +71,6 @@ class RoundHyperparams(ConfigMixin):
         super().__post_init__()
         if self.eta <= 0:
             raise ConfigError(f"`eta` must be positive, got {self.eta}.")
-        for name, choices in self.CHOICES.items():
-            if getattr(self, name) not in choices:
-                spelled = f"{', '.join(choices[:-1])} or {choices[-1]}"
-                raise ConfigError(f"`{name}` must be {spelled}, got {getattr(self, name)!r}.")
         if not 0.0 < self.alpha <= 1.0:
             raise ConfigError(f"`alpha` must be in (0, 1], got {self.alpha}.")
         if self.eps_fd <= 0:

@@ -44,6 +44,15 @@ GIB = 1024**3
 class DeviceProfile(ConfigMixin):
     """One class of edge device."""
 
+    CHOICES = {
+        "target": TARGETS,
+        "dtype": tuple(DTYPES),
+        "storage": STORAGES,
+        "runtime": ("torch", "onnx"),
+        "backbone": BACKBONES,
+        "quantization": ("none", "int8"),
+    }
+
     name: str = "custom"
     description: str = ""
     target: str = "cpu"  # cpu | cuda | jetson
@@ -67,22 +76,10 @@ class DeviceProfile(ConfigMixin):
             super().__post_init__()
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from None
-        if self.target not in TARGETS:
-            raise ConfigError(f"{where}: `target` must be one of {', '.join(TARGETS)}, got {self.target!r}.")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"{where}: `dtype` must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
-        if self.storage not in STORAGES:
-            raise ConfigError(f"{where}: `storage` must be one of {', '.join(STORAGES)}, got {self.storage!r}.")
         if not 0.0 <= self.drop_ratio < 1.0:
             raise ConfigError(f"{where}: `drop_ratio` must be in [0, 1), got {self.drop_ratio}.")
         if self.memory_budget_gb <= 0:
             raise ConfigError(f"{where}: `memory_budget_gb` must be positive, got {self.memory_budget_gb}.")
-        if self.runtime not in ("torch", "onnx"):
-            raise ConfigError(f"{where}: `runtime` must be torch or onnx, got {self.runtime!r}.")
-        if self.backbone not in BACKBONES:
-            raise ConfigError(f"{where}: `backbone` must be one of {', '.join(BACKBONES)}, got {self.backbone!r}.")
-        if self.quantization not in ("none", "int8"):
-            raise ConfigError(f"{where}: `quantization` must be none or int8, got {self.quantization!r}.")
 
     @property
     def torch_dtype(self) -> torch.dtype:

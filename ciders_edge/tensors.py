@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Tensors", "FlatLayout", "add", "sub", "scale", "norm"]
+__all__ = ["Tensors", "FlatLayout", "add", "sub", "scale", "norm", "non_finite"]
 
 Tensors = dict[str, Tensor]
 
@@ -82,3 +82,13 @@ class FlatLayout:
         for chunk, (shape, names) in zip(chunks, self.blocks, strict=True):
             out.update(zip(names, chunk.view(len(names), *shape).unbind(0), strict=True))
         return {n: out[n] for n in self.names}
+
+
+def non_finite(tensors: Tensors | dict) -> str | None:
+    """The name of the first tensor with a NaN or an Inf (a nested dict's as ``outer inner``), or ``None``:
+    every check that refuses non-finite values (a packet, an update, the server's v and c) asks this."""
+    for name, t in tensors.items():
+        inner = non_finite(t) if isinstance(t, dict) else (None if torch.isfinite(t).all() else "")
+        if inner is not None:
+            return f"{name} {inner}".strip()
+    return None

@@ -7,13 +7,14 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.run.config import RunConfig
+from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_cloud.run.config_file import load_config
-from ciders_cloud.strategies import round_hyperparams_for
+from ciders_cloud.strategies import FedNestSettings, round_hyperparams_for
 from ciders_edge.cli import app as edge
 from ciders_edge.config import check_value
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
+from ciders_edge.profiles import DeviceProfile
 
 runner = CliRunner()
 
@@ -184,3 +185,21 @@ def test_simulate_with_the_paper_preset(demo_dir, tmp_path):
     assert (run["hyperparameters"]["eta"], run["takd"]["hidden_loss"], run["takd"]["task_loss"]) == (1e-4, "mse", "ce")
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["gamma"] for r in rounds if r["type"] == "round"] == [0.9]  # protocol C's gamma_0
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: RoundHyperparams(solver="newton"), "`solver` must be one of fo, fd, svrg, got 'newton'."),
+        (lambda: RunConfig(gamma_schedule="cosine"), "`gamma_schedule` must be one of constant, protocol-c, got"),
+        (lambda: RunConfig(storage="int3"), '`storage` must be one of "", fp32, bf16, int8, int4, got'),
+        (lambda: TakdConfig(hidden_loss="l1"), "`hidden_loss` must be one of relative, mse, got 'l1'."),
+        (lambda: FedNestSettings(hvp="exact"), "`hvp` must be one of auto, autograd, fd, got 'exact'."),
+        (lambda: DeviceProfile(target="tpu"), "profile 'custom': `target` must be one of cpu, cuda, jetson, got"),
+    ],
+)
+def test_a_config_made_in_code_checks_its_choices_once_for_all(make, message):
+    """ConfigMixin checks every CHOICES field where a config is made, as where a file is read."""
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert message in str(err.value)

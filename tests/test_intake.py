@@ -43,3 +43,13 @@ def test_a_displacement_that_is_not_finite_is_refused_and_left_out_of_the_scale(
     bad = check_displacements(received("a", "b", "c", "d"), [delta(1.0), delta(1.0), nan, delta(30.0)], state())
     assert bad[2] == "c.pkt: client 'c''s reconstructed displacement is not finite"
     assert "over 20x the median displacement (1.000e+00)" in bad[3] and set(bad) == {2, 3}  # median of 1, 1, 30
+
+
+def test_non_finite_names_the_first_bad_tensor_nested_or_not():
+    """The one finiteness check behind a packet's, an update's and the server state's refusals."""
+    from ciders_edge.tensors import non_finite
+
+    ok, bad = torch.zeros(2), torch.tensor([0.0, float("inf")])
+    assert non_finite({"a": ok, "b": {"c": ok}}) is None
+    assert non_finite({"a": ok, "b": bad}) == "b"
+    assert non_finite({"v": {"a": ok}, "c": {"x": ok, "y": torch.tensor([float("nan")])}}) == "c y"

@@ -109,7 +109,9 @@ def test_an_unknown_storage_is_refused_with_the_allowed_values(tmp_path):
 
     profile = tmp_path / "p.toml"
     profile.write_text('name = "p"\nstorage = "int3"\n')
-    with pytest.raises(ConfigError, match="`storage` must be one of fp32, bf16, int8, int4, got 'int3'"):
+    with pytest.raises(
+        ConfigError, match=r"p\.toml: `storage` must be a string, one of 'fp32', 'bf16', 'int8', 'int4'; got"
+    ):
         load_profile(str(profile))
 
 

@@ -32,17 +32,14 @@ from ciders_edge.errors import PacketError
 from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.formats.packet import PROBE_KIND
 from ciders_edge.profiles import load_profile
-from ciders_edge.tensors import Tensors, add, norm
+from ciders_edge.tensors import Tensors, add, non_finite, norm
 
 __all__ = ["aggregate_packets", "aggregate_files", "aggregate_probes"]
 
 
 def _check_finite(tensors: Tensors, what: str) -> None:
-    for name, t in tensors.items():
-        if isinstance(t, dict):
-            _check_finite(t, f"{what} {name}")
-        elif not torch.isfinite(t).all():
-            raise PacketError(f"{what}: tensor {name} is not finite; nothing was written")
+    if (name := non_finite(tensors)) is not None:
+        raise PacketError(f"{what}: tensor {name} is not finite; nothing was written")
 
 
 def aggregate_files(run_dir: str | Path, packet_paths: list[str | Path], device: str | torch.device = "cpu") -> dict:

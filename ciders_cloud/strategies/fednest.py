@@ -43,8 +43,6 @@ class FedNestSettings(ConfigMixin):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.hvp not in self.CHOICES["hvp"]:
-            raise ConfigError(f"`fednest.hvp` must be auto, autograd or fd, got {self.hvp!r}.")
         if self.neumann_l < 0:
             raise ConfigError(f"`fednest.neumann_l` must not be negative, got {self.neumann_l}.")
 

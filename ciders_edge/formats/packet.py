@@ -27,7 +27,7 @@ import zstandard
 from ciders_edge.errors import ConfigError, PacketError
 from ciders_edge.formats.atomic import write_bytes
 from ciders_edge.formats.packet_header import CODECS, PacketHeader, parse_header
-from ciders_edge.tensors import Tensors
+from ciders_edge.tensors import Tensors, non_finite
 
 __all__ = ["Packet", "PacketHeader", "CODECS", "MAGIC", "PROBE_KIND", "consensus_digest"]
 
@@ -171,9 +171,8 @@ class Packet:
 
     def check_finite(self, where: str = "packet") -> None:
         """Refuse NaN or Inf, naming the first bad tensor."""
-        for name, t in self.tensors.items():
-            if not torch.isfinite(t).all():
-                raise PacketError(f"{where}: tensor {name} has non-finite values")
+        if (name := non_finite(self.tensors)) is not None:
+            raise PacketError(f"{where}: tensor {name} has non-finite values")
 
 
 def consensus_digest(c_i: Tensors | None) -> str:

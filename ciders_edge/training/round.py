@@ -23,7 +23,7 @@ from ciders_edge.formats.packet import Packet, consensus_digest
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.profiles import DeviceProfile, load_profile, pick_device
-from ciders_edge.tensors import Tensors, add, norm
+from ciders_edge.tensors import Tensors, add, non_finite, norm
 from ciders_edge.training.bilevel import client_gradients
 from ciders_edge.training.equations import reconstruct_displacement
 from ciders_edge.training.local_steps import LocalResult, local_update
@@ -202,6 +202,5 @@ def _check_shapes(c_i: dict, v: dict, what: str) -> None:
 
 def _check_finite(result: LocalResult) -> None:
     for what, tensors in (("delta_c", result.dc), ("personalized messenger", result.x_final)):
-        for name, t in tensors.items():
-            if not torch.isfinite(t).all():
-                raise PacketError(f"non-finite values in {what} tensor {name}; no packet written, state unchanged")
+        if (name := non_finite(tensors)) is not None:
+            raise PacketError(f"non-finite values in {what} tensor {name}; no packet written, state unchanged")
