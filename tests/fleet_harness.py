@@ -118,22 +118,6 @@ class Fleet:
             self.kill(name)
 
 
-def flower_processes(home: Path) -> dict[int, str]:
-    """``{pid: command line}`` of the live processes whose FLWR_HOME is ``home``: everything a serve or
-    join started (Flower's own helpers too, whatever session or process group they put themselves in)."""
-    want = f"FLWR_HOME={home.resolve()}".encode()
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if want in (proc / "environ").read_bytes().split(b"\0"):  # a zombie's environ reads empty
-                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone meanwhile, or not ours
-            continue
-    return found
-
-
 def wait_for(condition, timeout: float, what):
     """Poll ``condition()`` until it returns something true; its value. An AssertionError after ``timeout``
     says ``what`` (or what ``what()`` says then)."""
@@ -147,7 +131,7 @@ def wait_for(condition, timeout: float, what):
 
 def fleet_config(demo_dir: Path, clients: int):
     """`test_simulate`'s fast tiny study, with the first ``clients`` of its data files."""
-    from test_simulate import _cfg as sim_cfg
+    from tiny_runs import fast_study as sim_cfg
 
     data = [str(demo_dir / f / "train.jsonl") for f in ("arithmetic", "dates", "code")[:clients]]
     return sim_cfg(demo_dir, clients=clients, data=data)

@@ -102,3 +102,21 @@ def test_the_clis_start_without_the_model_stack():
     code = f"import sys, ciders_edge.cli; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+TEST_FOLDERS = {"edge": "ciders_edge", "cloud": "ciders_cloud", "fleet": "the fleet of both", "exporter": "export"}
+
+
+def test_tests_mirror_the_packages_and_share_helpers_not_each_other():
+    """Tests live in a folder per package (what spans them at the top); a test file imports the shared
+    helpers at the top of tests/, never another test file, so any file runs alone or on any xdist worker."""
+    tests = ROOT / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in ("fixtures", "__pycache__")}
+    assert folders == set(TEST_FOLDERS)
+    assert not (tests / "export").exists()  # it would shadow the export package on tests' sys.path
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "two test files share a name"
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("test_"), f"{path.relative_to(ROOT)} imports {node.module}"

@@ -29,13 +29,14 @@ from ciders_cloud.run.server_state import ServerState
 from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.lifetime import guarded
-from ciders_edge.fleet.processes import flower_env, flower_tool, stop_on_sigterm
+from ciders_edge.fleet.processes import flower_env, flower_processes, flower_tool, stop_on_sigterm
 from ciders_edge.progress import console
 
 __all__ = ["ServeSettings", "serve", "control_address"]
 
 APP_DIR = Path(__file__).parent / "app"
 CONNECTION = "ciders"
+EARLIER_EXIT_S = 60.0  # how long a restarted serve waits for a crashed one's Flower processes to end
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ def serve(opts: ServeSettings) -> dict:
     stop_on_sigterm()
     if start < opts.rounds:
         env = _flower_home(folder.flower_home, opts, tls)
+        if not opts.connect:
+            _wait_for_earlier(folder.flower_home, EARLIER_EXIT_S)
         with _superlink(opts, env, tls):
             _register(run_dir, env)
             _run_app(opts, env)
@@ -136,6 +139,20 @@ def _flower_home(home: Path, opts: ServeSettings, tls: dict[str, Path]) -> dict[
     for name in GRPC_SWITCHES:  # Flower's switches for its old gRPC servers on 0.0.0.0: never on
         env.pop(name, None)
     return env
+
+
+def _wait_for_earlier(home: Path, timeout: float) -> None:
+    """A serve restarted right after a crash (``kill -9``, a lost host) waits for the crashed one's Flower
+    processes to finish ending (each was signalled as its parent died; a graceful stop takes seconds,
+    more on a loaded machine) instead of failing on the ports they still hold."""
+    deadline = time.monotonic() + timeout
+    while (left := flower_processes(home)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        pids = ", ".join(map(str, sorted(left)))
+        raise StateError(
+            f"processes of an earlier serve of this run still run after {timeout:g} s (pids {pids}); stop them"
+        )
 
 
 @contextmanager

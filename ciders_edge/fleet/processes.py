@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ciders_edge.errors import ConfigError
 
-__all__ = ["flower_tool", "flower_env", "stop_on_sigterm"]
+__all__ = ["flower_tool", "flower_env", "flower_processes", "stop_on_sigterm"]
 
 
 def flower_env(home: Path) -> dict[str, str]:
@@ -19,6 +19,23 @@ def flower_env(home: Path) -> dict[str, str]:
     PATH, since they start their helpers (``flwr-clientapp``, ...) by bare name."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return {**os.environ, "FLWR_HOME": str(home.resolve()), "PATH": path}
+
+
+def flower_processes(home: Path) -> dict[int, str]:
+    """``{pid: command line}`` of the live processes whose FLWR_HOME is ``home``: everything a serve or
+    join of that home started (Flower's own helpers too, whatever session or process group they put
+    themselves in). Linux's /proc only; elsewhere none are found."""
+    want = f"FLWR_HOME={home.resolve()}".encode()
+    found = {}
+    for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if want in (proc / "environ").read_bytes().split(b"\0"):  # a zombie's environ reads empty
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found
 
 
 def stop_on_sigterm() -> None:

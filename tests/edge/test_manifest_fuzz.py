@@ -235,7 +235,7 @@ def test_resigned_weight_files_are_refused_or_load_as_the_model_expects(quantize
     """An attacker who can write the folder re-signs the checksums; a bundle whose messenger file was
     edited is then refused with one BundleError line, or its weights decode, finite where quantized, to
     exactly the shapes of the untouched file (issue 27, item 6)."""
-    from test_bundle_tamper import resign
+    from forgery import resign
 
     path, (raw, manifest), shapes = quantized[data.draw(st.sampled_from(sorted(quantized)))]
     _replace(path / MESSENGER, _edit_weights(raw, data))

@@ -1,14 +1,13 @@
 """AdapFu (the messenger on the full backbone) on `tiny`: exact, from the bundle or a local copy, bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from tiny_runs import prepare_tiny
 from typer.testing import CliRunner
 
-from ciders_cloud import RunConfig, prepare
 from ciders_edge.cli import app as edge_app
 from ciders_edge.errors import BundleError, ModelError
 from ciders_edge.formats.bundle import FULL_WEIGHTS, Bundle
@@ -23,16 +22,6 @@ from export.check import all_logits, check_inputs, compare_logits
 runner = CliRunner()
 
 
-def _prepare(tmp_path, demo_dir, depth, drop, profile="cpu-laptop", storage="fp32"):
-    """A tiny run; fp32 storage by default, so AdapFu can be compared with the base model exactly."""
-    run = RunConfig(model="tiny", profiles=[profile], messenger_depth=depth, drop_ratio=drop, layer_steps=3,
-                    align_steps=1, public_data=str(demo_dir / "public.jsonl"), takd={"seq_len": 64},
-                    storage=storage)  # fmt: skip
-    out = tmp_path / f"run-{depth}-{drop}-{storage}"
-    prepare(run, out)
-    return Bundle.load(out / "bundles" / Path(profile).stem / "round-0000")
-
-
 def _random_messenger(bundle: Bundle) -> dict:
     gen = torch.Generator().manual_seed(0)
     return {k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in bundle.messenger_lora().items()}
@@ -40,7 +29,7 @@ def _random_messenger(bundle: Bundle) -> dict:
 
 @pytest.mark.parametrize(("depth", "drop"), [(2, 0.5), (3, 0.25), (1, 0.0)])
 def test_adapfu_is_the_base_model_with_the_lora_on_its_top_layers(tmp_path, demo_dir, tiny_path, depth, drop):
-    bundle = _prepare(tmp_path, demo_dir, depth, drop)
+    bundle = prepare_tiny(tmp_path, demo_dir, depth, drop)
     x = _random_messenger(bundle)
     edge = load_adapfu(bundle)
     edge.use_messenger(x)
@@ -61,7 +50,7 @@ def test_adapfu_is_the_base_model_with_the_lora_on_its_top_layers(tmp_path, demo
 
 
 def test_a_local_copy_of_the_base_model_gives_the_same_adapfu(tmp_path, demo_dir):
-    bundle = _prepare(tmp_path, demo_dir, 2, 0.5)
+    bundle = prepare_tiny(tmp_path, demo_dir, 2, 0.5)
     dropped_and_trained = {int(k.split(".")[2]) for k in bundle.tensors(FULL_WEIGHTS)}
     assert dropped_and_trained == {1, 2, 3, 4, 5}  # kept [0, 2, 5]: layer 0 comes from backbone.safetensors
     ids = torch.randint(0, 5000, (1, 12))
@@ -72,7 +61,7 @@ def test_a_local_copy_of_the_base_model_gives_the_same_adapfu(tmp_path, demo_dir
 
 
 def test_personalized_adapfu_exports_and_answers(tmp_path, demo_dir):
-    bundle = _prepare(tmp_path, demo_dir, 2, 0.5)
+    bundle = prepare_tiny(tmp_path, demo_dir, 2, 0.5)
     state = tmp_path / "state"
     train(
         bundle.path,
@@ -100,7 +89,7 @@ def test_personalized_adapfu_exports_and_answers(tmp_path, demo_dir):
 def test_full_backbone_that_is_not_there_is_one_line(tmp_path, demo_dir):
     profile = tmp_path / "small.toml"
     profile.write_text('name = "small"\nbackbone = "emu"\n')
-    bundle = _prepare(tmp_path, demo_dir, 2, 0.5, profile=str(profile))
+    bundle = prepare_tiny(tmp_path, demo_dir, 2, 0.5, profile=str(profile))
     assert not bundle.has_full_backbone and bundle.manifest["deploy_backbone"] == "emu"
     with pytest.raises(BundleError, match=r"carries no full backbone .*--base-model with a local copy of tiny"):
         load_adapfu(bundle)
@@ -114,7 +103,7 @@ def test_full_backbone_that_is_not_there_is_one_line(tmp_path, demo_dir):
 def test_a_base_model_with_another_hash_is_refused(tmp_path, demo_dir, tiny_path):
     import shutil
 
-    bundle = _prepare(tmp_path, demo_dir, 2, 0.5)
+    bundle = prepare_tiny(tmp_path, demo_dir, 2, 0.5)
     other = tmp_path / "other-model"
     shutil.copytree(tiny_path, other)
     config = json.loads((other / "config.json").read_text())

@@ -69,13 +69,13 @@ def test_decode_refuses_what_the_record_does_not_fit():
 
 
 def test_an_int8_bundle_ships_a_third_of_the_bytes_and_runs_close_to_fp32(tmp_path, demo_dir):
-    from test_adapfu import _prepare
+    from tiny_runs import prepare_tiny
 
     from ciders_edge.formats.manifest import FROZEN_FILES
     from ciders_edge.model.adapemu import load_edge_model
     from ciders_edge.model.adapfu import load_adapfu
 
-    exact, small = (_prepare(tmp_path, demo_dir, 2, 0.5, storage=s) for s in ("fp32", "int8"))
+    exact, small = (prepare_tiny(tmp_path, demo_dir, 2, 0.5, storage=s) for s in ("fp32", "int8"))
     size = {
         b.manifest["storage"]["format"]: sum((b.path / f).stat().st_size for f in FROZEN_FILES) for b in (exact, small)
     }
@@ -90,11 +90,11 @@ def test_an_int8_bundle_ships_a_third_of_the_bytes_and_runs_close_to_fp32(tmp_pa
 
 
 def test_a_tampered_int8_tensor_is_refused(tmp_path, demo_dir):
-    from test_adapfu import _prepare
+    from tiny_runs import prepare_tiny
 
     from ciders_edge.formats.bundle import Bundle
 
-    bundle = _prepare(tmp_path, demo_dir, 2, 0.5, storage="int8")
+    bundle = prepare_tiny(tmp_path, demo_dir, 2, 0.5, storage="int8")
     f = bundle.path / "backbone.safetensors"
     data = bytearray(f.read_bytes())
     data[-100] ^= 0x01  # one bit of an int8 weight
@@ -127,14 +127,14 @@ def test_prepare_refuses_an_unknown_storage_before_writing(tmp_path, demo_dir):
 
 
 def test_a_later_round_of_an_int8_run_ships_no_frozen_weights_again(tmp_path, demo_dir):
-    from test_adapfu import _prepare
+    from tiny_runs import prepare_tiny
 
     from ciders_cloud.round.aggregate import aggregate_files
     from ciders_edge.formats.bundle import Bundle
     from ciders_edge.formats.manifest import FROZEN_FILES
     from ciders_edge.training.train import RoundOptions, train
 
-    first = _prepare(tmp_path, demo_dir, 2, 0.5, storage="int8")
+    first = prepare_tiny(tmp_path, demo_dir, 2, 0.5, storage="int8")
     run = first.path.parents[2]
     train(
         first.path,

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from conftest import fast_run_config
-from test_cli_cloud import _prepare_args
+from tiny_runs import prepare_args
 from typer.testing import CliRunner
 
 import ciders_cloud.models.bootstrap as bootstrap
@@ -96,7 +96,7 @@ def test_device_cuda_without_cuda_is_refused_before_anything_is_written(command,
     before = _snapshot(run_dir)
     out = tmp_path / "new"
     args = {
-        "prepare": _prepare_args(demo_dir, out),
+        "prepare": prepare_args(demo_dir, out),
         "distill": ["distill", "--run", str(run_dir), "--steps", "1"],
         "aggregate": ["aggregate", "--run", str(run_dir), "--packets", str(tmp_path / "a.pkt")],
         "simulate": ["simulate", "--out", str(out), "--model", "tiny", "--data", str(demo_dir / "public.jsonl")],

@@ -7,44 +7,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_runs import FAST, fast_study
 
 from ciders_cloud.round.aggregate import aggregate_probes
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import STRATEGIES
-from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.simulate import simulate
 from ciders_edge.errors import ConfigError, PacketError
 from ciders_edge.formats.packet import Packet
-
-FAST = dict(
-    model="tiny",
-    partition="per-file",
-    clients=3,
-    rounds=3,
-    local_steps=2,
-    max_records=14,
-    eval_examples=2,
-    eval_generate=1,
-    layer_steps=5,
-    align_steps=1,
-    messenger_depth=2,
-    drop_ratio=0.5,
-    takd={"seq_len": 64, "batch_size": 2},
-)
-
-
-def _cfg(demo_dir, **kw):
-    data = [str(demo_dir / f / "train.jsonl") for f in ("arithmetic", "dates", "code")]
-    hp = {"eta": 1e-2, "takd_steps": 1, **kw.pop("hyperparameters", {})}
-    return SimConfig(**{**FAST, "data": data, "hyperparameters": hp, **kw})
 
 
 def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-GOLDEN = Path(__file__).parent / "fixtures" / "simulate_metrics.json"
+GOLDEN = Path(__file__).parents[1] / "fixtures" / "simulate_metrics.json"
 UNPINNED = ("wall_s", "bytes_down")  # a clock, and the bundles' size (their manifest may gain or lose a field)
 
 
@@ -66,7 +44,7 @@ def one_thread():
 def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm, one_thread):
     out = tmp_path / algorithm
     fednest = {"neumann_terms": 3, "neumann_l": 50.0, "probe_batches": 1} if "nest" in algorithm else {}
-    summary = simulate(_cfg(demo_dir, algorithm=algorithm, participation=0.67, fednest=fednest), out)
+    summary = simulate(fast_study(demo_dir, algorithm=algorithm, participation=0.67, fednest=fednest), out)
     rows = _metrics(out)
     clients = [r for r in rows if r["type"] == "client"]
     assert sorted({r["round"] for r in clients}) == [0, 1, 2]
@@ -125,8 +103,10 @@ def _check_bilevel_rounds(out, rows, algorithm):
 
 def test_ciders_with_everything_off_is_exactly_fedavg(demo_dir, tmp_path):
     off = {"gamma": 0.0, "eps_prox": 0.0, "eta_in": 0.0, "tau": 1.0, "takd_steps": 0}
-    simulate(_cfg(demo_dir, algorithm="ciders-fo", rounds=2, eval_generate=0, hyperparameters=off), tmp_path / "c")
-    simulate(_cfg(demo_dir, algorithm="fedavg", rounds=2, eval_generate=0), tmp_path / "f")
+    simulate(
+        fast_study(demo_dir, algorithm="ciders-fo", rounds=2, eval_generate=0, hyperparameters=off), tmp_path / "c"
+    )
+    simulate(fast_study(demo_dir, algorithm="fedavg", rounds=2, eval_generate=0), tmp_path / "f")
     a = ServerState.load(RunFolder(tmp_path / "c" / "run").server_state)
     b = ServerState.load(RunFolder(tmp_path / "f" / "run").server_state)
     assert a.messenger.keys() == b.messenger.keys()
@@ -136,16 +116,16 @@ def test_ciders_with_everything_off_is_exactly_fedavg(demo_dir, tmp_path):
 
 def test_simulate_refuses_bad_partition_and_existing_out(demo_dir, tmp_path):
     with pytest.raises(ConfigError, match="unknown partition"):
-        simulate(_cfg(demo_dir, partition="zipf", data=[str(demo_dir / "public.jsonl")]), tmp_path / "x")
+        simulate(fast_study(demo_dir, partition="zipf", data=[str(demo_dir / "public.jsonl")]), tmp_path / "x")
     (tmp_path / "y").mkdir()
     (tmp_path / "y" / "f").write_text("")
     with pytest.raises(ConfigError, match="already exists"):
-        simulate(_cfg(demo_dir), tmp_path / "y")
+        simulate(fast_study(demo_dir), tmp_path / "y")
 
 
 def test_per_file_evaluation_data_is_each_clients_own_file(demo_dir, tmp_path):
     fams = ("arithmetic", "dates", "code")
-    cfg = _cfg(demo_dir, rounds=1, eval_data=[str(demo_dir / f / "eval.jsonl") for f in fams])
+    cfg = fast_study(demo_dir, rounds=1, eval_data=[str(demo_dir / f / "eval.jsonl") for f in fams])
     simulate(cfg, tmp_path / "sim")
     for i, f in enumerate(fams):
         got = (tmp_path / "sim" / "data" / f"client-{i:02d}" / "eval.jsonl").read_text().splitlines()
@@ -153,7 +133,7 @@ def test_per_file_evaluation_data_is_each_clients_own_file(demo_dir, tmp_path):
             json.loads(r) for r in (demo_dir / f / "eval.jsonl").read_text().splitlines()
         ]
     with pytest.raises(ConfigError, match="one evaluation file per --data file"):
-        _cfg(demo_dir, eval_data=[str(demo_dir / "code" / "eval.jsonl")])
+        fast_study(demo_dir, eval_data=[str(demo_dir / "code" / "eval.jsonl")])
 
 
 def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
@@ -165,7 +145,7 @@ def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
     from ciders_edge.inference.personalize import load_personalized
 
     out = tmp_path / "sim"
-    simulate(_cfg(demo_dir, rounds=1, eval_generate=0), out)
+    simulate(fast_study(demo_dir, rounds=1, eval_generate=0), out)
     rows = _metrics(out)
     baseline = {r["client"]: r for r in rows if r["type"] == "baseline"}
     evals = {r["client"]: r for r in rows if r["type"] == "eval"}

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from conftest import fast_run_config
-from test_aggregate import _claiming_2gib, _like, _state_bytes
+from forgery import claiming_2gib, like
+from tiny_runs import state_bytes
 
 from ciders_cloud import prepare
 from ciders_cloud.round.aggregate import aggregate_files
@@ -26,12 +27,12 @@ def _hostile(valid: Packet, out) -> dict[str, list[str]]:
     """Packet sets a hostile or careless client could submit, each written to ``out``."""
     t = valid.tensors
     bad = {
-        "nan": _like(valid, tensors={k: v * float("nan") for k, v in t.items()}),
-        "huge": _like(valid, tensors={k: torch.full_like(v, 3e38) for k, v in t.items()}),
-        "outlier": _like(valid, tensors={k: v * 1e6 for k, v in t.items()}),
-        "round": _like(valid, round=1),
-        "stranger": _like(valid, client_id="mallory"),
-        "forged_c_i": _like(valid, metrics={**valid.metrics, "c_i_digest": "0" * 64}),
+        "nan": like(valid, tensors={k: v * float("nan") for k, v in t.items()}),
+        "huge": like(valid, tensors={k: torch.full_like(v, 3e38) for k, v in t.items()}),
+        "outlier": like(valid, tensors={k: v * 1e6 for k, v in t.items()}),
+        "round": like(valid, round=1),
+        "stranger": like(valid, client_id="mallory"),
+        "forged_c_i": like(valid, metrics={**valid.metrics, "c_i_digest": "0" * 64}),
     }
     sets = {}
     for name, packet in bad.items():
@@ -42,7 +43,7 @@ def _hostile(valid: Packet, out) -> dict[str, list[str]]:
     (out / "flipped.pkt").write_bytes(bytes(flipped))
     sets["flipped"] = [str(out / "flipped.pkt")]
     sets["replayed"] = [str(out / "a.pkt"), str(out / "a.pkt")]
-    sets["claims_2gib"] = [_claiming_2gib(str(out / "a.pkt"), out / "claims.pkt", frame=b"\x28\xb5\x2f\xfd" * 4)[0]]
+    sets["claims_2gib"] = [claiming_2gib(str(out / "a.pkt"), out / "claims.pkt", frame=b"\x28\xb5\x2f\xfd" * 4)[0]]
     return sets
 
 
@@ -61,7 +62,7 @@ def test_soak_of_valid_replayed_and_hostile_packets(tmp_path, demo_dir):
     shutil.copytree(tmp_path / "run", tmp_path / "ref")
     valid = [str(tmp_path / "a.pkt"), str(tmp_path / "b.pkt")]
     aggregate_files(tmp_path / "ref", valid)
-    expected = _state_bytes(tmp_path / "ref")
+    expected = state_bytes(tmp_path / "ref")
 
     sets = {"valid": valid, **_hostile(Packet.load(valid[0]), tmp_path)}
     rng = random.Random(0)
@@ -90,4 +91,4 @@ def test_soak_of_valid_replayed_and_hostile_packets(tmp_path, demo_dir):
     assert committed == ["valid"], refusals  # exactly one round, and from the valid set
     assert all(o == "refused" for n, o in zip(plan, outcomes, strict=True) if n != "valid"), refusals
     assert set(refusals) == set(sets) - {"valid"}  # every hostile kind was seen (contention is likely, not required)
-    assert _state_bytes(tmp_path / "run") == expected
+    assert state_bytes(tmp_path / "run") == expected

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from ciders_edge.cli import app as edge
 from ciders_edge.formats.packet import Packet
 
-FIXTURE = Path(__file__).parent / "fixtures" / "legacy"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "legacy"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 runner = CliRunner()
 

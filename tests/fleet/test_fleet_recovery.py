@@ -5,10 +5,11 @@ import json
 import os
 import signal
 
-from fleet_harness import check_edges_agree, fleet_config, flower_processes, wait_for
+from fleet_harness import check_edges_agree, fleet_config, wait_for
 
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
+from ciders_edge.fleet.processes import flower_processes
 from ciders_edge.formats.client_state import ClientState
 
 
@@ -63,5 +64,5 @@ def test_kill_9_of_serve_alone_ends_every_process_it_started(demo_dir, fleet_fac
     serve = fleet.procs.pop("cloud")
     os.kill(serve.pid, signal.SIGKILL)
     serve.wait()
-    # the kernel signals each child as its parent dies; 10 s is the least the linger was seen to last
-    wait_for(lambda: not flower_processes(home), timeout=10, what=lambda: f"these ending: {flower_processes(home)}")
+    # the kernel signals each child as its parent dies, and each stops gracefully: seconds, more under load
+    wait_for(lambda: not flower_processes(home), timeout=60, what=lambda: f"these ending: {flower_processes(home)}")

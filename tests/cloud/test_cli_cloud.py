@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny_runs import prepare_args
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
@@ -20,34 +21,9 @@ def _json(result):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _prepare_args(demo_dir, out, *extra):
-    return [
-        "prepare",
-        "--model",
-        "tiny",
-        "--profile",
-        "cpu-laptop",
-        "--messenger-depth",
-        "2",
-        "--drop-ratio",
-        "0.5",
-        "--public-data",
-        str(demo_dir / "units" / "public.jsonl"),
-        "--layer-steps",
-        "5",
-        "--align-steps",
-        "2",
-        "--seq-len",
-        "96",
-        "--out",
-        str(out),
-        *extra,
-    ]
-
-
 def test_prepare_then_distill(demo_dir, tmp_path):
     out = tmp_path / "run"
-    s = _json(runner.invoke(cloud, [*_prepare_args(demo_dir, out), "--json"]))
+    s = _json(runner.invoke(cloud, [*prepare_args(demo_dir, out), "--json"]))
     assert s["kept_layers"] == [0, 2, 5] and s["takd_steps"] == 2
     bundle = Bundle.load(s["bundles"]["cpu-laptop"])
     d = _json(runner.invoke(cloud, ["distill", "--run", str(out), "--steps", "3", "--json"]))
@@ -83,7 +59,7 @@ def test_prepare_then_distill(demo_dir, tmp_path):
 )
 def test_prepare_bad_input_is_one_line(demo_dir, tmp_path, extra, message):
     out = tmp_path / "run"
-    args = _prepare_args(demo_dir, out)
+    args = prepare_args(demo_dir, out)
     # replace earlier occurrences of the same flag
     for i in range(0, len(extra), 2):
         j = args.index(extra[i])
@@ -99,7 +75,7 @@ def test_prepare_refuses_a_model_that_does_not_fit(demo_dir, tmp_path):
     small = tmp_path / "small.toml"
     small.write_text('name = "small"\nmemory_budget_gb = 0.001\nmessenger_depth = 2\ndrop_ratio = 0.5\n')
     out = tmp_path / "run"
-    args = _prepare_args(demo_dir, out)
+    args = prepare_args(demo_dir, out)
     args[args.index("cpu-laptop")] = str(small)
     result = runner.invoke(cloud, args)
     assert result.exit_code == 1
@@ -118,7 +94,7 @@ def test_a_second_prepare_of_the_same_out_is_one_line_at_once(demo_dir, tmp_path
 
     out = tmp_path / "run"
     with claim_new_run(out):  # the first prepare, still bootstrapping
-        r = runner.invoke(cloud, _prepare_args(demo_dir, out))
+        r = runner.invoke(cloud, prepare_args(demo_dir, out))
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
         assert (
             r.stderr.strip() == f"error: {out} is being written by another prepare; wait for it or choose another --out"

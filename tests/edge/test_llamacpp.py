@@ -8,7 +8,7 @@ import pytest
 from ciders_edge.errors import ExportError
 from ciders_edge.inference.llamacpp import check_gguf
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "tools"))
 from llamacpp_cmake_args import cmake_args  # noqa: E402
 
 AMX_CPU = "flags\t\t: fpu sse2 avx avx2 fma f16c bmi2 avx512f avx512_vnni amx_tile amx_int8\n"

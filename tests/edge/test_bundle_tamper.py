@@ -4,12 +4,12 @@ Only a semantic check catches these: ``verify`` and every command that loads the
 in one line naming the file and tensor, before any weight is used.
 """
 
-import hashlib
 import json
 import shutil
 
 import pytest
 import torch
+from forgery import resign
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -22,13 +22,6 @@ runner = CliRunner()
 MESSENGER = "messenger.safetensors"
 DOWN = "model.layers.3.mlp.down_proj.weight"  # a quantized messenger weight (64 x 128) in both storages
 EMBED = "model.embed_tokens.weight"
-
-
-def resign(bundle) -> None:
-    """Recompute every file's sha256 in the manifest, as an attacker who can write the folder would."""
-    m = json.loads((bundle / MANIFEST).read_text())
-    m["files"] = {rel: hashlib.sha256((bundle / rel).read_bytes()).hexdigest() for rel in m["files"]}
-    (bundle / MANIFEST).write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
 
 
 def _edit_tensors(bundle, rel, edit) -> None:

@@ -5,14 +5,14 @@ import os
 import re
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import fast_run_config
-from test_packet import _forge, _zeros_frame
+from forgery import claiming_2gib, like
+from tiny_runs import state_bytes
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
@@ -51,24 +51,9 @@ def round0(tmp_path_factory, demo_dir):
     return root
 
 
-def _like(p: Packet, **changes) -> Packet:
-    """``p`` with some fields changed (its metrics, which name the gamma and alpha, kept)."""
-    fields = {"client_id": p.client_id, "round": p.round, "bundle_id": p.bundle_id, "codec": p.codec}
-    fields |= {"num_examples": p.num_examples, "tensors": p.tensors, "metrics": p.metrics} | changes
-    return Packet(**fields)
-
-
 def _copy(round0, tmp_path):
     shutil.copytree(round0 / "run", tmp_path / "run")
     return tmp_path / "run", [str(round0 / "a.pkt"), str(round0 / "b.pkt")]
-
-
-def _state_bytes(run):
-    """Every tensor file byte for byte, and state.json less the summary (it names the run's path)."""
-    out = {p.name: p.read_bytes() for p in sorted(RunFolder(run).server_state.iterdir()) if p.suffix == ".safetensors"}
-    meta = json.loads((RunFolder(run).server_state / "state.json").read_text())
-    meta.pop("last_summary")
-    return {**out, "state.json": meta}
 
 
 def _args(run, packets):
@@ -78,38 +63,27 @@ def _args(run, packets):
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda p: _like(p, round=1), "is for round 1"),
-        (lambda p: _like(p, bundle_id="f" * 64), "trained on bundle ffff"),
-        (lambda p: _like(p, client_id="mallory"), "unknown client id"),
-        (lambda p: _like(p, tensors={k: v[:1] for k, v in p.tensors.items()}), "has shape"),
-        (lambda p: _like(p, tensors=dict(list(p.tensors.items())[1:])), "is missing (expected shape"),
-        (lambda p: _like(p, tensors={k: v * float("nan") for k, v in p.tensors.items()}), "non-finite"),
+        (lambda p: like(p, round=1), "is for round 1"),
+        (lambda p: like(p, bundle_id="f" * 64), "trained on bundle ffff"),
+        (lambda p: like(p, client_id="mallory"), "unknown client id"),
+        (lambda p: like(p, tensors={k: v[:1] for k, v in p.tensors.items()}), "has shape"),
+        (lambda p: like(p, tensors=dict(list(p.tensors.items())[1:])), "is missing (expected shape"),
+        (lambda p: like(p, tensors={k: v * float("nan") for k, v in p.tensors.items()}), "non-finite"),
         # finite but huge: eq. (11) divides by alpha and overflows; v and c would be Inf for every edge
-        (lambda p: _like(p, tensors={k: torch.full_like(v, 3e38) for k, v in p.tensors.items()}), "not finite"),
-        (lambda p: _like(p, tensors={k: v * 1e6 for k, v in p.tensors.items()}), "refused as an outlier"),
-        (lambda p: _like(p, metrics={k: v for k, v in p.metrics.items() if k != "alpha"}), "which alpha"),
-        (lambda p: _like(p, metrics={**p.metrics, "c_i_digest": "0" * 64}), "is not the cloud's copy"),
+        (lambda p: like(p, tensors={k: torch.full_like(v, 3e38) for k, v in p.tensors.items()}), "not finite"),
+        (lambda p: like(p, tensors={k: v * 1e6 for k, v in p.tensors.items()}), "refused as an outlier"),
+        (lambda p: like(p, metrics={k: v for k, v in p.metrics.items() if k != "alpha"}), "which alpha"),
+        (lambda p: like(p, metrics={**p.metrics, "c_i_digest": "0" * 64}), "is not the cloud's copy"),
     ],
 )
 def test_bad_packet_changes_nothing(round0, tmp_path, mutate, message):
     run, packets = _copy(round0, tmp_path)
-    before = _state_bytes(run)
+    before = state_bytes(run)
     bad = tmp_path / "bad.pkt"
     mutate(Packet.load(packets[1])).save(bad)
     r = runner.invoke(cloud, _args(run, [packets[0], str(bad)]))
     assert r.exit_code == 1 and message in r.stderr and "Traceback" not in r.output
-    assert _state_bytes(run) == before and not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
-
-
-def _claiming_2gib(packet_file: str, out, frame: bytes | None = None) -> tuple[str, str]:
-    """``packet_file`` re-signed with a header that declares its first tensor as 2 GiB of fp32, over
-    ``frame`` (default: ~64 KB that do decompress to 2 GiB; issue 27's probe took aggregate to 4.5 GB)."""
-    data = open(packet_file, "rb").read()
-    (hlen,) = struct.unpack_from("<I", data, 9)
-    header = json.loads(data[13 : 13 + hlen])
-    header["tensors"] = [{**header["tensors"][0], "shape": [1 << 29]}]
-    out.write_bytes(_forge(header, _zeros_frame(2 << 30) if frame is None else frame))
-    return str(out), header["tensors"][0]["name"]
+    assert state_bytes(run) == before and not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
 
 
 def test_a_packet_that_claims_gigabytes_is_refused_before_decompressing(round0, tmp_path, monkeypatch):
@@ -117,15 +91,15 @@ def test_a_packet_that_claims_gigabytes_is_refused_before_decompressing(round0, 
     decompressed: a refusal in one line naming the packet and tensor, the state unchanged, and no
     decompression beyond an honest packet's size (counted, not timed)."""
     run, packets = _copy(round0, tmp_path)
-    before = _state_bytes(run)
-    bad, name = _claiming_2gib(packets[1], tmp_path / "claims.pkt")
+    before = state_bytes(run)
+    bad, name = claiming_2gib(packets[1], tmp_path / "claims.pkt")
     sizes, decompress = [], packet_module._decompress
     monkeypatch.setattr(packet_module, "_decompress", lambda f, n, w: sizes.append(n) or decompress(f, n, w))
     r = runner.invoke(cloud, _args(run, [packets[0], bad]))
     honest = sum(t.numel() * 4 for t in Packet.load(packets[0]).tensors.values())
     assert r.exit_code == 1 and "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1, r.output
     assert re.search(rf"claims.pkt: tensor {re.escape(name)} has shape \(536870912,\), expected \(\d+, \d+\)", r.stderr)
-    assert max(sizes) <= honest < 1 << 20 and _state_bytes(run) == before
+    assert max(sizes) <= honest < 1 << 20 and state_bytes(run) == before
     assert not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
 
 
@@ -182,7 +156,7 @@ def test_kill_9_at_any_step_then_rerun_equals_uninterrupted(round0, reference_ro
         assert (run / ".server.old").is_dir(), point
     rerun = subprocess.run(_cli(run, packets), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
-    assert _state_bytes(run) == ref["state"], point
+    assert state_bytes(run) == ref["state"], point
     assert Bundle.load(run / "bundles" / "cpu-laptop" / "round-0001").manifest["files"] == ref["bundle_files"]
     # the rerun's record is the uninterrupted one's: every TAKD step logged once, bytes down against round 0
     assert (run / "distill.jsonl").read_text() == ref["log"], point
@@ -197,7 +171,7 @@ def reference_round(round0, tmp_path_factory):
     subprocess.run(_cli(ref_run, packets), check=True, capture_output=True, timeout=300)
     files = Bundle.load(ref_run / "bundles" / "cpu-laptop" / "round-0001").manifest["files"]
     log, down = (ref_run / "distill.jsonl").read_text(), _summary(ref_run)["bytes_down"]
-    return {"run": ref_run, "state": _state_bytes(ref_run), "log": log, "bytes_down": down, "bundle_files": files}
+    return {"run": ref_run, "state": state_bytes(ref_run), "log": log, "bytes_down": down, "bundle_files": files}
 
 
 @pytest.mark.parametrize("point", ["staged:current", "aside:current", "swapped:current", "committed:state"])
@@ -239,13 +213,13 @@ def test_a_second_writer_is_refused_while_the_run_is_locked(round0, tmp_path):
     """aggregate and distill each read the state, work, and commit: while one holds the run, another
     is refused at once, naming the holder, and writes nothing; a killed holder leaves no stale lock."""
     run, packets = _copy(round0, tmp_path)
-    before = _state_bytes(run)
+    before = state_bytes(run)
     with run_lock(run, "aggregate"):
         agg = runner.invoke(cloud, _args(run, packets))
         dist = runner.invoke(cloud, ["distill", "--run", str(run), "--steps", "1"])
     for r in (agg, dist):
         assert r.exit_code == 1 and f"in use by `aggregate` (PID {os.getpid()}," in r.stderr, r.output
-    assert _state_bytes(run) == before and not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
+    assert state_bytes(run) == before and not (run / "bundles" / "cpu-laptop" / "round-0001").exists()
     holder = "import os, sys\nfrom ciders_cloud.run.lock import run_lock\n"
     holder += "with run_lock(sys.argv[1], 'x'):\n    os.kill(os.getpid(), 9)"
     assert subprocess.run([sys.executable, "-c", holder, str(run)]).returncode == -signal.SIGKILL
@@ -286,12 +260,12 @@ def test_the_fleet_drops_an_outlier_and_aggregates_the_others(round0, tmp_path):
     reason, its client's c_i is not advanced, and the round equals one aggregated without it."""
     run, packets = _copy(round0, tmp_path)
     ref, _ = _copy(round0, tmp_path / "ref")
-    bad = _like(Packet.load(packets[1]), tensors={k: v * 1e6 for k, v in Packet.load(packets[1]).tensors.items()})
+    bad = like(Packet.load(packets[1]), tensors={k: v * 1e6 for k, v in Packet.load(packets[1]).tensors.items()})
     items = [(packets[0], open(packets[0], "rb").read()), ("b-poisoned", bad.to_bytes())]
     summary = aggregate_packets(run, items, drop_outliers=True)
     assert list(summary["dropped"]) == ["b"] and "refused as an outlier" in summary["dropped"]["b"]
     assert summary["clients"] == ["a"] and set(ServerState.load(RunFolder(run).server_state).clients) == {"a"}
     aggregate_packets(ref, items[:1])
-    got, expected = _state_bytes(run), _state_bytes(ref)
+    got, expected = state_bytes(run), state_bytes(ref)
     for name in ("consensus.safetensors", "messenger_lora.safetensors", "client_consensus.safetensors"):
         assert got[name] == expected[name], name

@@ -8,6 +8,7 @@ import struct
 import pytest
 import torch
 import zstandard
+from forgery import forge, zeros_frame
 
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.packet import MAGIC, Packet
@@ -92,13 +93,6 @@ def test_save_and_load(tmp_path):
     json.dumps(q.metrics)
 
 
-def _forge(header: dict | bytes, payload: bytes) -> bytes:
-    """A packet with any header and payload and a *valid* tag: what a hostile client can send."""
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    body = MAGIC + struct.pack("<BI", 1, len(raw)) + raw + struct.pack("<Q", len(payload)) + payload
-    return body + hashlib.sha256(body).digest()
-
-
 def _header(**changes) -> dict:
     """The header of :func:`_packet`'s packet (one fp32 tensor ``a`` of shape [2]), with changes."""
     data = _packet().to_bytes()
@@ -122,14 +116,14 @@ def test_decompression_bomb_stops_at_the_size_the_header_implies():
     assert len(bomb) < 200_000
     before = _peak_rss_mb()
     with pytest.raises(PacketError, match="decompresses to more than the 8 bytes"):
-        Packet.from_bytes(_forge(_header(), bomb), where="bomb.pkt")
+        Packet.from_bytes(forge(_header(), bomb), where="bomb.pkt")
     assert _peak_rss_mb() - before < 100
     huge = _header(tensors=[{"name": "a", "shape": [1 << 20, 1 << 20], "scale": None}])
     with pytest.raises(PacketError, match="claims 1099511627776 elements"):
-        Packet.from_bytes(_forge(huge, bomb))
+        Packet.from_bytes(forge(huge, bomb))
     short = zstandard.ZstdCompressor().compress(b"\0" * 4)
     with pytest.raises(PacketError, match="4 bytes, not the 8 bytes"):
-        Packet.from_bytes(_forge(_header(), short))
+        Packet.from_bytes(forge(_header(), short))
 
 
 @pytest.mark.parametrize(
@@ -158,7 +152,7 @@ def test_every_header_field_is_type_checked(header, message):
     payload = zstandard.ZstdCompressor().compress(b"\0" * 8)
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     with pytest.raises(PacketError, match=message):
-        Packet.from_bytes(_forge(raw, payload), where="h.pkt")
+        Packet.from_bytes(forge(raw, payload), where="h.pkt")
 
 
 def test_fuzzed_packets_fail_with_one_packet_error_and_bounded_memory():
@@ -190,15 +184,6 @@ def test_fuzzed_packets_fail_with_one_packet_error_and_bounded_memory():
     assert _peak_rss_mb() - before < 200  # memory, not time: a slow machine must not fail it
 
 
-def _zeros_frame(n: int) -> bytes:
-    """A zstd frame of ``n`` zero bytes: 2 GiB take about 64 KB."""
-    out = io.BytesIO()
-    with zstandard.ZstdCompressor(level=1).stream_writer(out, closefd=False) as w:
-        for i in range(0, n, 1 << 24):
-            w.write(bytes(min(1 << 24, n - i)))
-    return out.getvalue()
-
-
 def test_a_header_is_checked_against_the_expected_tensors_before_decompressing(monkeypatch):
     """A receiver that knows what it expects refuses a header that declares anything else, naming the
     tensor, without decompressing a byte: here a 2 GiB tensor over a ~64 KB frame that really holds 2 GiB."""
@@ -206,7 +191,7 @@ def test_a_header_is_checked_against_the_expected_tensors_before_decompressing(m
 
     calls = []
     monkeypatch.setattr(packet_module, "_decompress", lambda *a: calls.append(a[1]) or pytest.fail("decompressed"))
-    huge = _forge(_header(tensors=[{"name": "a", "shape": [1 << 29], "scale": None}]), _zeros_frame(2 << 30))
+    huge = forge(_header(tensors=[{"name": "a", "shape": [1 << 29], "scale": None}]), zeros_frame(2 << 30))
     assert len(huge) < 100_000 and Packet.read_header(huge, where="h.pkt").shapes == {"a": (1 << 29,)}
     cases = [
         ({"a": (2,)}, r"h.pkt: tensor a has shape \(536870912,\), expected \(2,\)"),

@@ -3,6 +3,7 @@ packet checks and node identities, TLS material, and the commands' bad inputs.""
 
 import json
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -15,12 +16,14 @@ from typer.testing import CliRunner
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.fleet.certs import make_certs
 from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report
+from ciders_cloud.fleet.serve import _wait_for_earlier
 from ciders_cloud.run.folder import RunFolder
 from ciders_edge.cli import app as edge_cli
 from ciders_edge.errors import BundleError, ConfigError, PacketError, StateError
 from ciders_edge.fleet.bundle_sync import files_to_ship, held_files, install_bundle
 from ciders_edge.fleet.edge import PENDING, settle
 from ciders_edge.fleet.keys import ensure_node_key
+from ciders_edge.fleet.processes import flower_env
 from ciders_edge.fleet.protocol import consensus_digest
 from ciders_edge.formats.bundle import MANIFEST, Bundle
 from ciders_edge.formats.checksums import hash_folder, sha256_file
@@ -358,3 +361,19 @@ def test_join_with_the_wrong_ca_names_the_tls_failure(tls_server, demo_dir):
     (root / "junk.crt").write_text("not a certificate\n")
     with pytest.raises(ConfigError, match="not a PEM CA certificate"):
         check_server_certificate("127.0.0.1", port, root / "junk.crt")
+
+
+def test_a_restarted_serve_waits_for_the_crashed_ones_flower_processes(tmp_path):
+    """Processes left by an earlier serve of the run (their FLWR_HOME is the run's) hold its ports: serve
+    waits for them to end, and names them if they do not."""
+    home = tmp_path / "flower"
+    home.mkdir()
+    _wait_for_earlier(home, 0.0)  # none: no wait
+    leftover = subprocess.Popen(["sleep", "300"], env=flower_env(home))
+    try:
+        with pytest.raises(StateError, match=rf"earlier serve of this run still run after 1 s \(pids {leftover.pid}\)"):
+            _wait_for_earlier(home, 1.0)
+    finally:
+        leftover.kill()
+        leftover.wait()
+    _wait_for_earlier(home, 0.0)

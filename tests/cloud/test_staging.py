@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_simulate import _cfg as sim_cfg
+from tiny_runs import fast_study as sim_cfg
 from typer.testing import CliRunner
 
 import ciders_cloud.study.report as report_module

@@ -1,0 +1,75 @@
+"""Tiny runs and studies that tests in several folders build: prepare's CLI arguments, a run of a given
+split, a fast simulate config, a server state's bytes."""
+
+import json
+from pathlib import Path
+
+from ciders_cloud import RunConfig, prepare
+from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.study.config import SimConfig
+from ciders_edge.formats.bundle import Bundle
+
+FAST = dict(
+    model="tiny",
+    partition="per-file",
+    clients=3,
+    rounds=3,
+    local_steps=2,
+    max_records=14,
+    eval_examples=2,
+    eval_generate=1,
+    layer_steps=5,
+    align_steps=1,
+    messenger_depth=2,
+    drop_ratio=0.5,
+    takd={"seq_len": 64, "batch_size": 2},
+)
+
+
+def prepare_args(demo_dir, out, *extra):
+    return [
+        "prepare",
+        "--model",
+        "tiny",
+        "--profile",
+        "cpu-laptop",
+        "--messenger-depth",
+        "2",
+        "--drop-ratio",
+        "0.5",
+        "--public-data",
+        str(demo_dir / "units" / "public.jsonl"),
+        "--layer-steps",
+        "5",
+        "--align-steps",
+        "2",
+        "--seq-len",
+        "96",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def prepare_tiny(tmp_path, demo_dir, depth, drop, profile="cpu-laptop", storage="fp32"):
+    """A tiny run; fp32 storage by default, so AdapFu can be compared with the base model exactly."""
+    run = RunConfig(model="tiny", profiles=[profile], messenger_depth=depth, drop_ratio=drop, layer_steps=3,
+                    align_steps=1, public_data=str(demo_dir / "public.jsonl"), takd={"seq_len": 64},
+                    storage=storage)  # fmt: skip
+    out = tmp_path / f"run-{depth}-{drop}-{storage}"
+    prepare(run, out)
+    return Bundle.load(out / "bundles" / Path(profile).stem / "round-0000")
+
+
+def fast_study(demo_dir, **kw):
+    data = [str(demo_dir / f / "train.jsonl") for f in ("arithmetic", "dates", "code")]
+    hp = {"eta": 1e-2, "takd_steps": 1, **kw.pop("hyperparameters", {})}
+    return SimConfig(**{**FAST, "data": data, "hyperparameters": hp, **kw})
+
+
+def state_bytes(run):
+    """Every tensor file byte for byte, and state.json less the summary (it names the run's path)."""
+    out = {p.name: p.read_bytes() for p in sorted(RunFolder(run).server_state.iterdir()) if p.suffix == ".safetensors"}
+    meta = json.loads((RunFolder(run).server_state / "state.json").read_text())
+    meta.pop("last_summary")
+    return {**out, "state.json": meta}
