@@ -126,19 +126,12 @@ def quantized_bundles(tmp_path_factory, demo_dir):
 @pytest.fixture(scope="module")
 def trained(tiny_run, demo_dir, tmp_path_factory):
     """A bundle and a client state that trained one round on it (the export tests' personalized model)."""
-    from ciders_edge.training.train import RoundOptions, train
+    from tiny_runs import train_once
 
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
-    root = tmp_path_factory.mktemp("edge")
-    state = root / "state"
-    train(
-        bundle,
-        demo_dir / "units" / "train.jsonl",
-        state,
-        root / "p.pkt",
-        RoundOptions(client_id="e1", overrides={"local_steps": 3}),
+    return bundle, train_once(
+        bundle, demo_dir / "units" / "train.jsonl", tmp_path_factory.mktemp("edge"), "e1", local_steps=3
     )
-    return bundle, state
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -20,25 +21,32 @@ from ciders_edge.fleet.keys import ensure_node_key
 BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out to outgoing connections (every edge's, every test's): a server port
+    taken from there can be grabbed by a client socket between the check and serve's bind."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
 
 
 def free_port_pair() -> int:
-    """A free port whose next one is free too: `serve` puts the Fleet API on the first and its
-    loopback-only Control and Runtime APIs on the next."""
-    for _ in range(50):
-        port = free_port()
-        if port < 65535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise AssertionError("no two free ports in a row")
+    """A free port whose next one is free too, both outside the ephemeral range: `serve` puts the Fleet
+    API on the first and its loopback-only Control and Runtime APIs on the next."""
+    ephemeral, rng = _ephemeral_ports(), random.Random()
+    for _ in range(200):
+        port = rng.randrange(10_000, 65_534)
+        if port in ephemeral or port + 1 in ephemeral:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise AssertionError("no two free ports in a row outside the ephemeral range")
 
 
 class Fleet:

@@ -8,6 +8,7 @@ from ciders_cloud import RunConfig, prepare
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.study.config import SimConfig
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.training.train import RoundOptions, train
 
 FAST = dict(
     model="tiny",
@@ -73,3 +74,19 @@ def state_bytes(run):
     meta = json.loads((RunFolder(run).server_state / "state.json").read_text())
     meta.pop("last_summary")
     return {**out, "state.json": meta}
+
+
+def train_once(bundle, data, root: Path, client_id: str, **overrides) -> Path:
+    """One round of ``client_id`` on ``data``: its state folder ``root/state`` (the packet: ``root/p.pkt``)."""
+    train(bundle, data, root / "state", root / "p.pkt", RoundOptions(client_id=client_id, overrides=overrides))
+    return root / "state"
+
+
+def two_clients_round0(run: RunConfig, demo_dir, root: Path) -> Path:
+    """``run`` prepared at ``root/run``, and clients a (dates) and b (code) trained on its round 0: their
+    packets ``root/a.pkt``, ``root/b.pkt`` and states ``root/state-a``, ``root/state-b``."""
+    prepare(run, root / "run")
+    bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
+    for cid, fam in (("a", "dates"), ("b", "code")):
+        train(bundle, demo_dir / fam / "train.jsonl", root / f"state-{cid}", root / f"{cid}.pkt", RoundOptions(cid))
+    return root

@@ -6,6 +6,7 @@ autocast on CUDA, as :mod:`ciders_cloud.models.device` says)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
@@ -29,7 +30,21 @@ from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.model.adapfu import load_adapfu
 from ciders_edge.progress import progress_bar
 
-__all__ = ["evaluate_round", "evaluate_groups", "evaluate_baseline", "delta_cross"]
+__all__ = ["Scoring", "evaluate_round", "evaluate_groups", "evaluate_baseline", "delta_cross"]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What every evaluation of a study reads: its folder, each client's domain, its config, the device."""
+
+    study: StudyFolder
+    domains: dict[str, str]
+    cfg: SimConfig
+    device: torch.device = CPU
+
+    def examples(self, cid: str, tokenizer) -> list:
+        """The first ``eval_examples`` of ``cid``'s held-out records, tokenized."""
+        return load_examples(self.study.eval_data(cid), tokenizer, 512)[: self.cfg.eval_examples]
 
 
 def delta_cross(matrix: list[list[float]]) -> float:
@@ -40,53 +55,36 @@ def delta_cross(matrix: list[list[float]]) -> float:
     return mean(off) - mean(diag) if off else 0.0
 
 
-def _eval_examples(study: StudyFolder, cid: str, tokenizer, cfg: SimConfig) -> list:
-    return load_examples(study.eval_data(cid), tokenizer, 512)[: cfg.eval_examples]
-
-
 def _on(edge: EdgeModel, device: torch.device) -> EdgeModel:
     """``edge`` with its model moved to ``device`` (the batches follow the model)."""
     edge.model.to(device)
     return edge
 
 
-def evaluate_baseline(
-    bundle_dir: Path,
-    study: StudyFolder,
-    ids: list[str],
-    domains: dict[str, str],
-    cfg: SimConfig,
-    device: torch.device = CPU,
-) -> list[dict]:
+def evaluate_baseline(bundle_dir: Path, ids: list[str], scoring: Scoring) -> list[dict]:
     """Before any training: each client's held-out NLL on the round-0 AdapEmu and on the base model
     (AdapFu with the round-0 messenger, which is the base model's own)."""
     bundle = Bundle.load(bundle_dir)
     records = []
     models = [("emu", load_edge_model(bundle))] + ([("full", load_adapfu(bundle))] if bundle.has_full_backbone else [])
-    models = [(name, _on(edge, device)) for name, edge in models]
+    models = [(name, _on(edge, scoring.device)) for name, edge in models]
     for cid in ids:
-        rec = {"type": "baseline", "round": -1, "client": cid, "domain": domains[cid]}
+        rec = {"type": "baseline", "round": -1, "client": cid, "domain": scoring.domains[cid]}
         for name, edge in models:
-            with autocast(device):
-                batches = backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
+            with autocast(scoring.device):
+                batches = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
                 rec[f"nll_{name}"] = messenger_nll(edge, batches)
         records.append(rec)
     return records
 
 
-def evaluate_round(
-    bundle_dir: Path,
-    study: StudyFolder,
-    ids: list[str],
-    domains: dict[str, str],
-    cfg: SimConfig,
-    device: torch.device = CPU,
-) -> dict:
+def evaluate_round(bundle_dir: Path, ids: list[str], scoring: Scoring) -> dict:
     """Score every client on its held-out data; the matrix when clients hold different domains."""
-    edge = _on(load_edge_model(Bundle.load(bundle_dir)), device)
-    with autocast(device):
-        records, matrix = _score_clients(edge, study, ids, domains, cfg)
-        full = _adapfu_nll(edge.bundle, study, ids, cfg, device)
+    edge = _on(load_edge_model(Bundle.load(bundle_dir)), scoring.device)
+    domains = scoring.domains
+    with autocast(scoring.device):
+        records, matrix = _score_clients(edge, ids, scoring)
+        full = _adapfu_nll(edge.bundle, ids, scoring)
     for rec in records:
         rec.update(full.get(rec["client"], {}))
     cross = delta_cross(matrix) if len(set(domains.values())) > 1 else None
@@ -110,17 +108,10 @@ def evaluate_round(
     }
 
 
-def evaluate_groups(
-    round_: int,
-    groups: dict[str, list[str]],
-    study: StudyFolder,
-    domains: dict[str, str],
-    cfg: SimConfig,
-    device: torch.device = CPU,
-) -> dict:
+def evaluate_groups(round_: int, groups: dict[str, list[str]], scoring: Scoring) -> dict:
     """:func:`evaluate_round` for each profile's clients on that profile's bundle of ``round_``; the means
     are over every client, and each profile has its own cross matrix (its messengers on its backbone)."""
-    parts = [evaluate_round(study.run.bundle(p, round_), study, ids, domains, cfg, device) for p, ids in groups.items()]
+    parts = [evaluate_round(scoring.study.run.bundle(p, round_), ids, scoring) for p, ids in groups.items()]
     if len(parts) == 1:
         return parts[0]
     records = [rec for part in parts for rec in part["records"]]
@@ -135,9 +126,7 @@ def evaluate_groups(
     }
 
 
-def _score_clients(
-    edge: EdgeModel, study: StudyFolder, ids: list[str], domains: dict[str, str], cfg: SimConfig
-) -> tuple[list[dict], list[list[float]]]:
+def _score_clients(edge: EdgeModel, ids: list[str], scoring: Scoring) -> tuple[list[dict], list[list[float]]]:
     """Every client's eval record on the AdapEmu, and the cross-domain NLL matrix's rows."""
     v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
     round_ = edge.bundle.round - 1
@@ -145,48 +134,46 @@ def _score_clients(
         task = bar.add_task(f"round {round_} evaluation", total=2 * len(ids), metrics="")
         evals = {}  # through the shared backbone once: each row of the matrix only swaps the messenger
         for cid in ids:
-            evals[cid] = backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
+            evals[cid] = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
             bar.update(task, advance=1, metrics=f"backbone pass {cid}")
         records, matrix = [], []
         for cid in ids:
-            record, row = _client_record(edge, v, evals, study, cid, ids, cfg)
-            records.append({"type": "eval", "round": round_, "client": cid, "domain": domains[cid], **record})
+            record, row = _client_record(edge, v, evals, cid, ids, scoring)
+            records.append({"type": "eval", "round": round_, "client": cid, "domain": scoring.domains[cid], **record})
             matrix.append(row)
             bar.update(task, advance=1, metrics=f"{cid} NLL {records[-1]['nll_personal']:.3f}")
     return records, matrix
 
 
-def _adapfu_nll(
-    bundle: Bundle, study: StudyFolder, ids: list[str], cfg: SimConfig, device: torch.device
-) -> dict[str, dict]:
+def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, dict]:
     """Each client's personalized (and the global) messenger on AdapFu, on its own held-out data."""
     if not bundle.has_full_backbone:
         return {}
-    edge = _on(load_adapfu(bundle), device)
+    edge = _on(load_adapfu(bundle), scoring.device)
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
     scores = {}
     for cid in ids:
-        batches = backbone_batches(edge, _eval_examples(study, cid, edge.tokenizer, cfg))
+        batches = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
         edge.use_messenger(v)
         nll_global = messenger_nll(edge, batches)
-        state = ClientState.load(study.client_state(cid))
+        state = ClientState.load(scoring.study.client_state(cid))
         edge.use_messenger(state.personalized if state is not None and state.personalized else v)
         scores[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
     return scores
 
 
 def _client_record(
-    edge: EdgeModel, v: dict, evals: dict, study: StudyFolder, cid: str, ids: list[str], cfg: SimConfig
+    edge: EdgeModel, v: dict, evals: dict, cid: str, ids: list[str], scoring: Scoring
 ) -> tuple[dict, list[float]]:
     """One client's scores, and its matrix row: its personalized messenger on every client's data."""
-    state = ClientState.load(study.client_state(cid))
+    state = ClientState.load(scoring.study.client_state(cid))
     personal = state.personalized if state is not None and state.personalized else v
     edge.use_messenger(v)
     nll_global = messenger_nll(edge, evals[cid])
     edge.use_messenger(personal)
     row = [messenger_nll(edge, evals[other]) for other in ids]
     nll_personal = row[ids.index(cid)]
-    rouge, em = _generation_scores(edge, study.eval_data(cid), cfg.eval_generate)
+    rouge, em = _generation_scores(edge, scoring.study.eval_data(cid), scoring.cfg.eval_generate)
     record = {
         "nll_personal": nll_personal,
         "nll_global": nll_global,

@@ -18,7 +18,7 @@ from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.strategies import get_strategy, round_hyperparams_for
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.diagnostics import client_diagnostics
-from ciders_cloud.study.evaluation import evaluate_baseline, evaluate_groups
+from ciders_cloud.study.evaluation import Scoring, evaluate_baseline, evaluate_groups
 from ciders_cloud.study.profiles import StudyProfiles
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import Bundle
@@ -39,8 +39,9 @@ def run_rounds(
     profiles = StudyProfiles.of(cfg, ids, load_run(run.root))
     last_eval: dict = {}
     down = {p: Bundle.load(run.bundle(p, 0)).delta_bytes(None) for p in profiles.groups}  # round 0: all of it
+    scoring = Scoring(study, domains, cfg, device)
     for p, members in profiles.groups.items():
-        baseline = evaluate_baseline(run.bundle(p, 0), study, members, domains, cfg, device)
+        baseline = evaluate_baseline(run.bundle(p, 0), members, scoring)
         append_jsonl(study.metrics, profiles.tag(baseline))
     for t in range(cfg.rounds):
         started = time.perf_counter()
@@ -77,7 +78,7 @@ def run_rounds(
         records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, per_client))
         down = {p: agg["bytes_down"][p] for p in profiles.groups}  # what each client fetches for the next round
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
-            last_eval = evaluate_groups(t + 1, profiles.groups, study, domains, cfg, device)
+            last_eval = evaluate_groups(t + 1, profiles.groups, scoring)
             records += last_eval["records"]
         append_jsonl(study.metrics, profiles.tag(records))
     return last_eval

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import fast_run_config
 from forgery import claiming_2gib, like
-from tiny_runs import state_bytes
+from tiny_runs import state_bytes, two_clients_round0
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
@@ -34,21 +34,8 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def round0(tmp_path_factory, demo_dir):
     """A fresh tiny run and two clients' round-0 packets, copied per test."""
-    from ciders_cloud import prepare
-
-    root = tmp_path_factory.mktemp("agg")
     run = fast_run_config(demo_dir, client_ids=["a", "b"], hyperparameters={"takd_steps": 3})
-    prepare(run, root / "run")
-    bundle = root / "run" / "bundles" / "cpu-laptop" / "round-0000"
-    for cid, fam in (("a", "dates"), ("b", "code")):
-        train(
-            bundle,
-            demo_dir / fam / "train.jsonl",
-            root / f"state-{cid}",
-            root / f"{cid}.pkt",
-            RoundOptions(client_id=cid),
-        )
-    return root
+    return two_clients_round0(run, demo_dir, tmp_path_factory.mktemp("agg"))
 
 
 def _copy(round0, tmp_path):

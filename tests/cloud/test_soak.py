@@ -13,14 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from conftest import fast_run_config
 from forgery import claiming_2gib, like
-from tiny_runs import state_bytes
+from tiny_runs import state_bytes, two_clients_round0
 
-from ciders_cloud import prepare
 from ciders_cloud.round.aggregate import aggregate_files
 from ciders_cloud.run.lock import run_lock
 from ciders_edge.errors import CidersError, PacketError, StateError
 from ciders_edge.formats.packet import Packet
-from ciders_edge.training.train import RoundOptions, train
 
 
 def _hostile(valid: Packet, out) -> dict[str, list[str]]:
@@ -49,16 +47,7 @@ def _hostile(valid: Packet, out) -> dict[str, list[str]]:
 
 def test_soak_of_valid_replayed_and_hostile_packets(tmp_path, demo_dir):
     run = fast_run_config(demo_dir, client_ids=["a", "b"], hyperparameters={"takd_steps": 2})
-    prepare(run, tmp_path / "run")
-    bundle = tmp_path / "run" / "bundles" / "cpu-laptop" / "round-0000"
-    for cid, fam in (("a", "dates"), ("b", "code")):
-        train(
-            bundle,
-            demo_dir / fam / "train.jsonl",
-            tmp_path / f"s-{cid}",
-            tmp_path / f"{cid}.pkt",
-            RoundOptions(client_id=cid),
-        )
+    two_clients_round0(run, demo_dir, tmp_path)
     shutil.copytree(tmp_path / "run", tmp_path / "ref")
     valid = [str(tmp_path / "a.pkt"), str(tmp_path / "b.pkt")]
     aggregate_files(tmp_path / "ref", valid)

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_runs import train_once
 from typer.testing import CliRunner
 
 from ciders_edge.cli import app as edge_app
@@ -13,7 +14,6 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.inference.evaluate import exact_match_answer, read_eval_records, rouge_l, score
 from ciders_edge.inference.generation import GenerationSettings, generate_batch
 from ciders_edge.inference.personalize import load_personalized
-from ciders_edge.training.train import RoundOptions, train
 
 runner = CliRunner()
 
@@ -22,14 +22,7 @@ runner = CliRunner()
 def trained(tiny_run, demo_dir, tmp_path_factory):
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
     root = tmp_path_factory.mktemp("evaluate")
-    train(
-        bundle,
-        demo_dir / "dates" / "train.jsonl",
-        root / "state",
-        root / "p.pkt",
-        RoundOptions(client_id="d", overrides={"local_steps": 2, "eta": 1e-4}),
-    )
-    return bundle, root / "state"
+    return bundle, train_once(bundle, demo_dir / "dates" / "train.jsonl", root, "d", local_steps=2, eta=1e-4)
 
 
 def _file(tmp_path, records) -> str:

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from tiny_runs import train_once
 from typer.testing import CliRunner
 
 from ciders_edge.cli import app as edge_app
@@ -14,7 +15,6 @@ from ciders_edge.formats.export_folder import GENAI_CONFIG, MANIFEST, ONNX_FILE,
 from ciders_edge.inference.genai import GenAIDecoder
 from ciders_edge.inference.generation import GenerationSettings, TokenDecoder, encode_prompt, generate
 from ciders_edge.inference.runtime import open_runtime
-from ciders_edge.training.train import RoundOptions, train
 from export import export_model
 
 pytest.importorskip("onnxruntime_genai", reason="the genai runtime needs onnxruntime-genai")
@@ -28,14 +28,7 @@ FIXED = GenerationSettings(max_new_tokens=12, min_new_tokens=12)
 def trained(tiny_run, demo_dir, tmp_path_factory):
     bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
     root = tmp_path_factory.mktemp("edge-genai")
-    train(
-        bundle,
-        demo_dir / "units" / "train.jsonl",
-        root / "state",
-        root / "p.pkt",
-        RoundOptions(client_id="g1", overrides={"local_steps": 3}),
-    )
-    return bundle, root / "state"
+    return bundle, train_once(bundle, demo_dir / "units" / "train.jsonl", root, "g1", local_steps=3)
 
 
 @pytest.fixture(scope="module")
