@@ -19,7 +19,7 @@ __all__ = ["BilevelAsk", "RoundHyperparams", "gamma_schedule"]
 @dataclass
 class BilevelAsk(ConfigMixin):
     """What FedNest's family asks an edge for besides K local steps: the client loss's gradients at the
-    bundle's point (docs/design.md §4), which only the edge can compute. Other algorithms ask nothing."""
+    bundle's point (docs/design.md §2, eq. 3), which only the edge can compute. Other algorithms ask nothing."""
 
     probe_batches: int = 4  # mini-batches behind grad f_i at the bundle's point
     grad_y_in_packet: bool = False  # LFedNest: grad_y f_i rides in the Δc packet (FedNest: in a probe packet)

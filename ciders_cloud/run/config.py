@@ -1,4 +1,4 @@
-"""The cloud's configurations: the run's (``RUN/run.json``), its TAKD, and a ``simulate`` study's.
+"""The cloud's configurations: the run's (``RUN/run.json``) and its TAKD (a study's: :mod:`ciders_cloud.study.config`).
 
 One word, one meaning: ``clients`` is a count (simulate's), ``client_ids`` a list of ids (a run's).
 """
@@ -133,7 +133,6 @@ class RunConfig(ConfigMixin):
             raise ConfigError(f"`drop_ratio` must be in [0, 1), got {self.drop_ratio}.")
         if not self.profiles:
             raise ConfigError("at least one device profile is needed.")
-        get_strategy(self.algorithm)
         self._check_profile_splits()
 
     def _check_profile_splits(self) -> None:

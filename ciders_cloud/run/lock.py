@@ -1,6 +1,6 @@
 """One writer per run folder: :func:`ciders_edge.formats.lock.folder_lock` on ``RUN/.lock``.
 
-``aggregate``, ``distill``, ``hypergradient`` and ``serve`` all read the server state, work for a
+``aggregate``, ``distill`` and ``serve`` all read the server state, work for a
 while and commit a new one; the lock keeps a second one out, and its holder cleans up after a
 killed one (interrupted swaps, staging folders).
 """

@@ -1,4 +1,4 @@
-"""The run's TAKD and fidelity log (``distill_log.jsonl``), written before each state commit."""
+"""The run's TAKD and fidelity log (``distill.jsonl``), written before each state commit."""
 
 from __future__ import annotations
 

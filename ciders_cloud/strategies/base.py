@@ -18,7 +18,7 @@ The round driver (:mod:`ciders_cloud.round.aggregate`) calls these hooks and not
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ciders_cloud.round.aggregation import aggregate
@@ -59,7 +59,7 @@ class Strategy:
     def round_hyperparams(self, hp: RoundHyperparams, round_: int, schedule: str) -> RoundHyperparams:
         """What edges run in ``round_``; ``schedule='protocol-c'`` applies the paper's gamma_t."""
         gamma = gamma_schedule(round_) if schedule == "protocol-c" else hp.gamma
-        return hp.replace(gamma=gamma, solver="fo")
+        return replace(hp.replace(gamma=gamma, solver="fo"), bilevel=None)  # FedNest's ask is FedNest's alone
 
     def packet_tensors(self, state: ServerState) -> Tensors:
         """The tensors a Δc packet carries besides Δc of the layers its profile trains, by name and shape."""

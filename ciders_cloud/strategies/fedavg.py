@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ciders_cloud.strategies.base import Strategy
 
@@ -16,7 +16,7 @@ class FedAvg(Strategy):
     name: str = "fedavg"
 
     def round_hyperparams(self, hp, round_, schedule):
-        return hp.replace(gamma=0.0, eps_prox=0.0, eta_in=0.0, tau=1.0, solver="fo")
+        return replace(hp.replace(gamma=0.0, eps_prox=0.0, eta_in=0.0, tau=1.0, solver="fo"), bilevel=None)
 
     def takd(self, hp):
         return 0, None

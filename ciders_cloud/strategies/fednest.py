@@ -1,10 +1,11 @@
 """FedNest and LFedNest on the messenger (outer x) / learnable-backbone (inner y, TAKD) bilevel problem.
 
-Both need the hypergradient ``grad_x f - grad_xy g [grad_yy g]^-1 grad_y f`` (docs/design.md §4). The
-inner problem g is the cloud's own (its public data and teacher, :mod:`.bilevel`), so the cloud
-computes the indirect term with FedIHGP's Neumann series (:mod:`.hypergradient`); the edges
+Both need the hypergradient ``grad_x f - grad_xy g [grad_yy g]^-1 grad_y f`` (docs/design.md §2, eq. 3;
+the write-up: §6). The inner problem g is the cloud's own (its public data and teacher, :mod:`.bilevel`),
+so the cloud computes the indirect term with FedIHGP's Neumann series (:mod:`.hypergradient`); the edges
 contribute only the client loss's gradients at the bundle's point (``ciders_edge.training.bilevel``).
-Their settings are the run's ``fednest`` table; edges receive only ``probe_batches``.
+Their settings are the run's ``fednest`` table; edges receive only ``probe_batches`` (and, from
+LFedNest, ``grad_y_in_packet``).
 """
 
 from __future__ import annotations

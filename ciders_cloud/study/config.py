@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ciders_cloud.run.config import GAMMA_SCHEDULES, TakdConfig
-from ciders_cloud.strategies import STRATEGIES, FedNestSettings, get_strategy
+from ciders_cloud.strategies import STRATEGIES, FedNestSettings
 from ciders_edge.config import ConfigMixin, check_limit
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.packet import CODECS
@@ -79,7 +79,6 @@ class SimConfig(ConfigMixin):
             raise ConfigError(f"`holdout` must be in (0, 1), got {self.holdout}")
         if self.eval_data and (self.partition != "per-file" or len(self.eval_data) != len(self.data)):
             raise ConfigError("`eval_data` takes one evaluation file per --data file, with the per-file partition")
-        get_strategy(self.algorithm)
         mix = self.mix
         if mix and sum(mix.values()) != self.clients:
             raise ConfigError(

@@ -81,6 +81,8 @@ def test_what_each_strategy_ships_and_distils(name, shipped, takd):
     assert s.takd(hp) == takd
     assert s.needs_probe == (name == "fednest")
     assert ("bilevel" in hp.to_dict()) == name.endswith("fednest")  # no other bundle names FedNest's ask
+    written = s.round_hyperparams(HP.replace(bilevel={"grad_y_in_packet": True}), 1, "constant")
+    assert written.bilevel == hp.bilevel  # a hand-written ask reaches no bundle: the strategy decides it
 
 
 def test_protocol_c_schedules_gamma_and_an_unknown_name_is_refused():
