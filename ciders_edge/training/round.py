@@ -107,9 +107,9 @@ def local_round(
     if state.rng is not None:
         torch.set_rng_state(state.rng)
     grad_y = {}
-    if hp.grad_y_in_packet:  # LFedNest: at the bundle's point, before training moves the messenger
+    if (ask := hp.ask) is not None and ask.grad_y_in_packet:  # LFedNest: at the bundle's point, before training
         probe_seed = round_seed(seed, f"probe:{client_id}", bundle.round)
-        grad_y = client_gradients(edge, examples, hp, hp.ask.probe_batches, probe_seed)[2]
+        grad_y = client_gradients(edge, examples, hp, ask.probe_batches, probe_seed)[2]
     objective = MessengerObjective(
         edge, examples, hp.batch_size, hp.grad_accum, round_seed(seed, client_id, bundle.round)
     )

@@ -23,6 +23,7 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 from ciders_edge.formats.lock import folder_lock
 from ciders_edge.formats.packet import PROBE_KIND, Packet
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.progress import console
 from ciders_edge.training.bilevel import client_gradients
 from ciders_edge.training.local_steps import LocalResult
@@ -112,11 +113,12 @@ def probe(
     written as an fp32 packet (the cloud's hypergradient takes them exactly); the state is unchanged."""
     b = Bundle.load(bundle)
     check_state(ClientState.load(state_dir), b)
-    hp, edge, examples = load_round(b, data, profile, {}, live_backbone=True)
-    if hp.ask is None:
+    ask = RoundHyperparams.from_dict(b.manifest["hyperparameters"]).ask  # before the model loads
+    if ask is None:
         raise ConfigError(f"{bundle}: round {b.round} asks for no gradients (only FedNest's rounds are probed)")
+    hp, edge, examples = load_round(b, data, profile, {}, live_backbone=True)
     loss, grad_x, grad_y = client_gradients(
-        edge, examples, hp, hp.ask.probe_batches, round_seed(0, f"probe:{client_id}", b.round)
+        edge, examples, hp, ask.probe_batches, round_seed(0, f"probe:{client_id}", b.round)
     )
     metrics = {"kind": PROBE_KIND, "loss": loss}
     packet = Packet(client_id, b.round, b.bundle_id, "fp32", len(examples), {**grad_x, **grad_y}, metrics)
