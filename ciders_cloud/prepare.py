@@ -16,6 +16,7 @@ from ciders_cloud.models.device import cloud_device
 from ciders_cloud.models.fidelity import Fidelity, measure_fidelity
 from ciders_cloud.models.takd import TERMS, Distiller, public_split
 from ciders_cloud.models.teacher import CloudModels, build_backbones, load_cloud_models
+from ciders_cloud.privacy import PrivateRelease
 from ciders_cloud.round.bundles import deployments, write_bundles
 from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import RunFolder
@@ -134,6 +135,9 @@ def run_identity(run: RunConfig) -> str:
     made_of["clients"] = made_of.pop("client_ids")  # the key before the rename: a run made alike keeps its id
     if not made_of["profile_splits"]:  # a one-split run keeps the id it had before there could be several
         del made_of["profile_splits"]
+    for key, before in (("participation", 1.0), ("sampling", "fixed"), ("dp", {})):  # as it had before them
+        if made_of[key] == before:
+            del made_of[key]
     made_of["public_data"] = sha256_file(Path(run.public_data))
     return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -172,4 +176,12 @@ def _summary(
         }
         splits = {p: run.profile_split(p) for p in run.profiles}
         summary["profile_splits"] = {p: {"trains": a, "drop_ratio": r} for p, (a, r) in splits.items()}
+    if (release := PrivateRelease.of(run)) is not None:
+        planned = release.dp.rounds
+        summary["privacy"] = {
+            **release.spent(0).to_dict(),
+            "denominator": release.denominator,
+            "budget": release.dp.budget,
+            "planned": release.spent(planned).to_dict() if planned else None,
+        }
     return summary

@@ -66,6 +66,8 @@ class RoundHyperparams(ConfigMixin):
     takd_steps: int = 5  # T_L warm-started TAKD steps per round on the cloud
     start_from: str = "global"  # x_0: the global messenger v, or this client's own (local-only baselines)
     bilevel: dict | None = None  # BilevelAsk's keys, set by FedNest and LFedNest only (absent from other bundles)
+    # differential privacy clipped on the edge: the L2 bound C of Delta_i before eq. (10) (absent from other bundles)
+    displacement_clip: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +80,8 @@ class RoundHyperparams(ConfigMixin):
         for name in ("gamma", "eps_prox", "tau", "weight_decay", "clip", "eta_hvp"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must not be negative, got {getattr(self, name)}.")
+        if self.displacement_clip is not None and not 0 < self.displacement_clip < math.inf:
+            raise ConfigError(f"`displacement_clip` must be a positive number, got {self.displacement_clip}.")
 
     @classmethod
     def check(cls, d: dict[str, Any], where: str = "", table: str = "", strict: bool = True) -> dict[str, Any]:
@@ -91,8 +95,9 @@ class RoundHyperparams(ConfigMixin):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        if out["bilevel"] is None:  # what every algorithm but FedNest's ships: no bilevel key at all
-            del out["bilevel"]
+        for key in ("bilevel", "displacement_clip"):  # asks of some runs only: other bundles hold no such key
+            if out[key] is None:
+                del out[key]
         return out
 
     @property

@@ -8,6 +8,16 @@ from typing import Annotated
 
 import typer
 
+from ciders_cloud.cli.privacy import (
+    DpClipOnOpt,
+    DpClipOpt,
+    DpDeltaOpt,
+    DpEpsilonOpt,
+    DpNoiseOpt,
+    SamplingOpt,
+    dp_table,
+    epsilon_text,
+)
 from ciders_cloud.models.device import cloud_device
 from ciders_cloud.models.fidelity import Fidelity
 from ciders_cloud.prepare import distill as distill_run
@@ -70,6 +80,18 @@ def prepare(
         str | None,
         typer.Option(help="How bundles store frozen weights: fp32, bf16, int8 or int4 (default: each profile's)."),
     ] = None,
+    participation: Annotated[
+        float | None, typer.Option(help="Share q of the clients each fleet round samples.")
+    ] = None,
+    sampling: SamplingOpt = None,
+    dp_clip: DpClipOpt = None,
+    dp_noise: DpNoiseOpt = None,
+    dp_epsilon: DpEpsilonOpt = None,
+    dp_delta: DpDeltaOpt = None,
+    dp_rounds: Annotated[
+        int | None, typer.Option(help="DP: the rounds --dp-epsilon must last.", rich_help_panel="Differential privacy")
+    ] = None,
+    dp_clip_on: DpClipOnOpt = None,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
@@ -89,9 +111,16 @@ def prepare(
             "algorithm": algorithm,
             "client_ids": client,
             "storage": storage,
+            "participation": participation,
+            "sampling": sampling,
         }
-        takd = {"lr": takd_lr, "batch_size": takd_batch_size, "seq_len": seq_len}
-        merged = {"model": "smollm2-135m", **merge_config(config, flags, {"takd": takd}, command="prepare")}
+        tables = {
+            "takd": {"lr": takd_lr, "batch_size": takd_batch_size, "seq_len": seq_len},
+            "dp": {**dp_table(dp_clip, dp_noise, dp_epsilon, dp_delta, dp_clip_on), "rounds": dp_rounds},
+        }
+        merged = {"model": "smollm2-135m", **merge_config(config, flags, tables, command="prepare")}
+        if not merged["dp"]:
+            del merged["dp"]
         if "public_data" not in merged:
             raise ConfigError("--public-data is required (or `public_data` in --config)")
         profiles = [load_profile(p) for p in merged.get("profiles") or ["cpu-laptop"]]
@@ -151,6 +180,10 @@ def aggregate(
             console.print(f"  AdapEmu fidelity: {Fidelity(**s['fidelity']).describe()}")
         for name, path in s["bundles"].items():
             console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
+        if p := s.get("privacy"):
+            console.print(
+                f"  differential privacy: {epsilon_text(p)} (noise std {p['noise_std_of_mean']:.3g} on the mean)"
+            )
 
     def body() -> dict:
         where = cloud_device(device)  # refused before the run is locked or read
@@ -188,4 +221,17 @@ def _render(s: dict) -> None:
             else ""
         )
         rows.append((f"bundle {name}", path + deploy + split))
+    if p := s.get("privacy"):
+        rows.append(("differential privacy", _privacy_line(p)))
     print_table(key_table(("", ""), rows, show_header=False, title=f"run {s['run']}"))
+
+
+def _privacy_line(p: dict) -> str:
+    """Prepare's DP settings and what the planned rounds will spend."""
+    line = (
+        f"clip {p['clip']:g}, noise multiplier {p['noise_multiplier']:.4g} "
+        f"({p['sampling']} sampling, q {p['participation']:g} of {p['population']} clients)"
+    )
+    if planned := p["planned"]:
+        line += "; " + epsilon_text(planned)
+    return line

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ciders_cloud.cli.privacy import DpClipOnOpt, DpClipOpt, DpDeltaOpt, DpEpsilonOpt, DpNoiseOpt, SamplingOpt, dp_table
 from ciders_cloud.cli.run import DeviceOpt
 from ciders_cloud.models.device import cloud_device
 from ciders_cloud.run.config_file import merge_config
@@ -43,6 +44,7 @@ def simulate(
         str | None, typer.Option(help="iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file.")
     ] = None,
     participation: Annotated[float | None, typer.Option(help="Fraction of clients sampled per round.")] = None,
+    sampling: SamplingOpt = None,
     seed: Annotated[int | None, typer.Option(help="Seed for partition, sampling, LoRA init.")] = None,
     eval_every: Annotated[int | None, typer.Option(help="Evaluate every E rounds (and at the end).")] = None,
     eval_examples: Annotated[int | None, typer.Option(help="Held-out records per client for NLL.")] = None,
@@ -66,6 +68,11 @@ def simulate(
     lr: Annotated[float | None, typer.Option(help="Base learning rate eta.")] = None,
     gamma: Annotated[float | None, typer.Option(help="Constant gamma (with --gamma-schedule constant).")] = None,
     gamma_schedule: Annotated[str | None, typer.Option(help="constant or protocol-c.")] = None,
+    dp_clip: DpClipOpt = None,
+    dp_noise: DpNoiseOpt = None,
+    dp_epsilon: DpEpsilonOpt = None,
+    dp_delta: DpDeltaOpt = None,
+    dp_clip_on: DpClipOnOpt = None,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
@@ -83,6 +90,7 @@ def simulate(
             "algorithm": algorithm,
             "partition": partition,
             "participation": participation,
+            "sampling": sampling,
             "seed": seed,
             "eval_every": eval_every,
             "eval_examples": eval_examples,
@@ -99,7 +107,8 @@ def simulate(
             "gamma_schedule": gamma_schedule,
         }
         hp = {"eta": lr, "gamma": gamma, "local_steps": local_steps}  # the flag beats a file's [hyperparameters]
-        merged = merge_config(config, flags, {"hyperparameters": hp}, command="simulate")
+        dp = dp_table(dp_clip, dp_noise, dp_epsilon, dp_delta, dp_clip_on)
+        merged = merge_config(config, flags, {"hyperparameters": hp, "dp": dp}, command="simulate")
         if merged.get("profile_mix") and clients is None:  # the mix says how many edges there are
             merged["clients"] = sum(parse_profile_mix(merged["profile_mix"]).values())
         return simulate_run(SimConfig.from_dict(merged, where="flags"), out, where)  # the file was checked at load

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from ciders_cloud.models.layers import ProfileLayers
 from ciders_cloud.round.aggregate import aggregate_packets
 from ciders_cloud.round.intake import CLIENT_ID, check_packets, read_packets
+from ciders_cloud.round.sampling import sample_clients
 from ciders_cloud.run.config import load_run
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
@@ -74,10 +76,24 @@ class Coordinator:
         self._bundles: dict[str, Bundle] = {}  # this round's, verified once
         self._bytes: dict[tuple[str, str], bytes] = {}  # their files, read once for every edge
         self._layers: dict[str, ProfileLayers] | None = None
+        self._rng = random.SystemRandom()  # who is sampled is not to be foretold from the run's files
 
     @property
     def round(self) -> int:
         return self.state.round
+
+    @property
+    def private(self) -> bool:
+        """Whether the run's aggregate is differentially private (a round then releases even with no packet)."""
+        return bool(self.run.dp)
+
+    def sample(self, online: list[Edge]) -> tuple[list[Edge], list[str]]:
+        """This round's participants: the online edges among the run's sample of its clients (all of them
+        at participation 1), and the sampled clients that are not online (they drop out of the round)."""
+        population = self.run.client_ids or sorted(self.keys.values())
+        chosen = sample_clients(population, self.run.participation, self.run.sampling, self._rng, self.private)
+        here = {e.client_id for e in online}
+        return [e for e in online if e.client_id in chosen], [cid for cid in chosen if cid not in here]
 
     def edges(self, nodes) -> list[Edge]:
         """The online nodes whose key is one of this run's, by client id (the order packets are aggregated in)."""

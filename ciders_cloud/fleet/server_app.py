@@ -80,10 +80,12 @@ def main(grid: Grid, context: Context) -> None:
 def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> bool:
     """One round; False when no packet was accepted (the round is then run again)."""
     t, started = co.round, time.monotonic()
-    edges = wait_for_edges(grid, co, s, patient)
-    log(INFO, "round %d: syncing %s", t, ", ".join(e.client_id for e in edges))
+    edges, offline = co.sample(wait_for_edges(grid, co, s, patient))
+    log(INFO, "round %d: syncing %s", t, ", ".join(e.client_id for e in edges) or "no sampled edge")
     answers = exchange(grid, {e: _sync_message(co, e, s) for e in edges}, s.round_timeout)
     records = {e: {"type": "client", "round": t, "client": e.client_id, "bytes_down": 0, "bytes_up": 0} for e in edges}
+    records |= {cid: {"type": "client", "round": t, "client": cid, "bytes_down": 0, "bytes_up": 0,
+                      "status": "sampled, not online"} for cid in offline}  # fmt: skip
     train = {}
     for e in edges:
         try:
@@ -108,10 +110,10 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> b
             records[e]["status"] = refusal(err)
     for e in train.keys() - accepted.keys():
         records[e].setdefault("status", f"no reply to training within {s.round_timeout:g} s")
-    for e, r in records.items():
+    for r in records.values():
         if "status" in r:
-            log(WARNING, "round %d: %s left out: %s", t, e.client_id, r["status"])
-    if not accepted:
+            log(WARNING, "round %d: %s left out: %s", t, r["client"], r["status"])
+    if not accepted and not co.private:  # a private round releases its noise whoever answered (its sample stands)
         co.log(list(records.values()))
         log(WARNING, "round %d: no packet accepted; the round starts again", t)
         return False
@@ -183,4 +185,9 @@ def _round_record(t: int, summary: dict, records: dict, wall: float) -> dict:
         "bytes_down": sum(r["bytes_down"] for r in records.values()),
         "v_change": summary["v_change"],
         "wall_s": wall,
+        **(
+            {"epsilon": summary["privacy"]["epsilon"], "delta": summary["privacy"]["delta"]}
+            if "privacy" in summary
+            else {}
+        ),
     }

@@ -20,7 +20,8 @@ from ciders_cloud.models.device import cloud_device
 from ciders_cloud.models.fidelity import Fidelity, measure_fidelity
 from ciders_cloud.models.takd import Distiller, public_split
 from ciders_cloud.models.teacher import CloudModels, load_cloud_models
-from ciders_cloud.round.aggregation import participation_weights, reconstruct_displacement
+from ciders_cloud.privacy import PrivateRelease
+from ciders_cloud.round.aggregation import layer_means, participation_weights, reconstruct_displacement
 from ciders_cloud.round.bundles import write_bundles
 from ciders_cloud.round.intake import Received, check_displacements, check_round, client_consensus, read_packets
 from ciders_cloud.run.config import RunConfig, load_run
@@ -74,28 +75,38 @@ def aggregate_packets(
     digests = sorted(r.digest for r in received)
     if state.last_round_digests and digests == state.last_round_digests and state.round > 0:
         return {**state.last_summary, "already_aggregated": True}
+    release = PrivateRelease.of(run)
+    spent = release.check_budget(state.round) if release else None  # before any packet is read
     hp = check_round(run_dir, run, state, received)
-    if not received:
+    if not received and not release:  # a private round releases noise even when it sampled no one
         raise PacketError("no packets given; a round needs at least one")
     strategy = strategy_for(run)
     deltas, new_clients = _reconstruct(received, state, hp)  # (11)
-    bad = check_displacements(received, deltas, state)
+    bad = check_displacements(received, deltas, state, outliers=release is None)
     if bad and not drop_outliers:
         raise PacketError(f"{next(iter(bad.values()))}; nothing was written")
     dropped = {received[i].packet.client_id: reason for i, reason in bad.items()}
     if bad:
         received = [r for i, r in enumerate(received) if i not in bad]
-        if not received:
+        if not received and not release:
             raise PacketError(f"round {state.round}: every packet was refused ({'; '.join(dropped.values())})")
         deltas, new_clients = _reconstruct(received, state, hp)
-    weights = participation_weights([r.packet.num_examples for r in received])
+    num_examples = [r.packet.num_examples for r in received]
+    weights = release.weights(len(received)) if release else participation_weights(num_examples)
     backbones = load_cloud_models(run_dir, run, state, device)
     cloud = CloudRound(run, state, hp, backbones)
     deltas, bilevel = strategy.adjust_displacements(deltas, [r.packet.tensors for r in received], weights, cloud)
-    v, c = strategy.server_step(state.messenger, state.consensus, deltas, weights, hp)  # (12), per layer
+    if release:  # the Gaussian mechanism on the clipped displacements' sum
+        mean, privacy = release.mean(deltas, state.messenger)
+        privacy = {**privacy, **spent.to_dict()}
+    else:
+        mean, privacy = layer_means(deltas, weights, state.messenger), None
+    v, c = strategy.server_step(state.messenger, state.consensus, mean, hp)  # (12), per layer
     _check_finite({"v": v, "c": c}, f"round {state.round}")
     takd = {name: _distill(models, v, run, state, *strategy.takd(hp)) for name, models in backbones.items()}  # (13)
     summary = _summary(run, state, received, weights, deltas, v, c, takd, bilevel, dropped)
+    if privacy is not None:
+        summary["privacy"] = privacy
     reference = next(iter(takd))
     new = ServerState(
         state.round + 1,

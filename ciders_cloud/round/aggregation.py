@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from ciders_edge.tensors import Tensors, add
 from ciders_edge.training.equations import reconstruct_displacement  # eq. (11), shared with the edge
 
-__all__ = ["reconstruct_displacement", "participation_weights", "weighted_sum", "layer_means", "aggregate"]
+__all__ = [
+    "reconstruct_displacement",
+    "participation_weights",
+    "weighted_sum",
+    "layer_means",
+    "server_update",
+    "aggregate",
+]
 
 
 def participation_weights(num_examples: Sequence[int]) -> list[float]:
@@ -48,6 +55,16 @@ def layer_means(items: Sequence[Tensors], weights: Sequence[float], like: Tensor
     return {k: out[k] for k in like if k in out}
 
 
+def server_update(
+    v: Tensors, c: Tensors, mean: Tensors, tau: float, local_steps: int, eta: float, alpha: float
+) -> tuple[Tensors, Tensors]:
+    """Eq. (12) from the round's mean displacement ``mean = sum p_i Delta_i``: ``v <- v - tau K eta mean`` and
+    ``c <- (1 - alpha) c + alpha mean`` on the tensors ``mean`` holds; the others keep their v and c."""
+    v_new = {**v, **add({k: v[k] for k in mean}, mean, -tau * local_steps * eta)}
+    c_new = {k: (1.0 - alpha) * c[k] + alpha * mean[k] if k in mean else c[k] for k in c}
+    return v_new, c_new
+
+
 def aggregate(
     v: Tensors,
     c: Tensors,
@@ -58,9 +75,6 @@ def aggregate(
     eta: float,
     alpha: float,
 ) -> tuple[Tensors, Tensors]:
-    """Eq. (12), per layer: ``v <- v - tau K eta sum p_i Delta_i`` and ``c <- (1 - alpha) c + alpha sum p_i
-    Delta_i`` over the clients that train each tensor (:func:`layer_means`); the others stay."""
-    mean = layer_means(deltas, weights, v)
-    v_new = {**v, **add({k: v[k] for k in mean}, mean, -tau * local_steps * eta)}
-    c_new = {k: (1.0 - alpha) * c[k] + alpha * mean[k] if k in mean else c[k] for k in c}
-    return v_new, c_new
+    """Eq. (12), per layer: :func:`server_update` with the mean over the clients that train each tensor
+    (:func:`layer_means`)."""
+    return server_update(v, c, layer_means(deltas, weights, v), tau, local_steps, eta, alpha)

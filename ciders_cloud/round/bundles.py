@@ -12,6 +12,7 @@ from ciders_cloud.models.device import to_cpu
 from ciders_cloud.models.fidelity import Fidelity
 from ciders_cloud.models.layers import profile_spec
 from ciders_cloud.models.teacher import CloudModels
+from ciders_cloud.privacy import PrivateRelease
 from ciders_cloud.run.config import RunConfig, backbone_name
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
@@ -77,6 +78,8 @@ def bundle_contents(
         "fidelity": fidelity.to_dict() if fidelity else None,
         "deploy_backbone": deploy,
     }
+    if (release := PrivateRelease.of(run)) is not None:  # what v and c have spent: the round's releases so far
+        manifest["privacy"] = release.spent(state.round).to_dict()
     full = models.full_backbone() if deploy == "full" else None
     consensus = models.to_own(state.consensus)
     return BundleContents(

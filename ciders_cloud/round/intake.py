@@ -171,11 +171,17 @@ def _check_consensus_digest(p: PacketHeader, state: ServerState, profile: Profil
         )
 
 
-def check_displacements(received: list[Received], deltas: list[Tensors], state: ServerState) -> dict[int, str]:
+def check_displacements(
+    received: list[Received], deltas: list[Tensors], state: ServerState, outliers: bool = True
+) -> dict[int, str]:
     """The packets (by index) whose reconstructed displacement (eq. 11) is not finite or is an outlier,
     with the reason: a packet with a valid tag can still carry values that would wreck v and c for
     every edge. An outlier's norm is over ``MAX_DELTA_RATIO`` times the round's scale: the median of
     this round's and the last round's finite displacements when there are at least three, else |v|.
+
+    Without ``outliers`` (differential privacy) only finiteness is checked: clipping bounds every
+    client's influence, and a threshold set by the others' norms would let one client's data decide
+    whether another's counts, past the mechanism's sensitivity.
     """
     norms = [norm(d) for d in deltas]
     bad = {
@@ -183,6 +189,8 @@ def check_displacements(received: list[Received], deltas: list[Tensors], state: 
         for i, (r, n) in enumerate(zip(received, norms, strict=True))
         if not math.isfinite(n)
     }
+    if not outliers:
+        return bad
     history = [n for n in norms if math.isfinite(n)] + list((state.last_summary or {}).get("delta_norms", {}).values())
     if len(history) >= 3:
         scale, of = statistics.median(history), "the median displacement"

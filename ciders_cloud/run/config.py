@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ciders_cloud.privacy.accountant import solve_noise_multiplier
+from ciders_cloud.privacy.settings import SAMPLINGS, PrivacySettings
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.strategies import STRATEGIES, FedNestSettings, get_strategy
 from ciders_edge.config import ConfigMixin, check_value
@@ -80,13 +82,19 @@ class TakdConfig(ConfigMixin):
 class RunConfig(ConfigMixin):
     """Everything ``prepare`` decided; later commands read it back instead of re-asking."""
 
-    CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES, "storage": ("", *STORAGES)}
+    CHOICES = {
+        "algorithm": tuple(STRATEGIES),
+        "gamma_schedule": GAMMA_SCHEDULES,
+        "storage": ("", *STORAGES),
+        "sampling": SAMPLINGS,
+    }
     TABLES = {
         "lora": LoraSettings,
         "backbone_lora": LoraSettings,
         "takd": TakdConfig,
         "hyperparameters": RoundHyperparams,
         "fednest": FedNestSettings,
+        "dp": PrivacySettings,
     }
 
     model: str = "smollm2-135m"
@@ -110,6 +118,9 @@ class RunConfig(ConfigMixin):
     fednest: dict = field(default_factory=dict)  # FedNest's and LFedNest's settings (FedNestSettings' keys)
     gamma_schedule: str = "constant"  # constant (hyperparameters.gamma) | protocol-c
     client_ids: list[str] = field(default_factory=list)  # the accepted clients; empty: any
+    participation: float = 1.0  # q: the share of client_ids each round samples (simulate's and the fleet's)
+    sampling: str = "fixed"  # fixed: round(q N) of them, without replacement; poisson: each with probability q
+    dp: dict = field(default_factory=dict)  # client-level differential privacy (PrivacySettings' keys); empty: off
     storage: str = ""  # how bundles store frozen weights (fp32, bf16, int8, int4); empty: each profile's
     run_id: str = ""  # set by prepare (prepare.run_identity); in every bundle: an edge state is tied to its run
 
@@ -133,7 +144,37 @@ class RunConfig(ConfigMixin):
             raise ConfigError(f"`drop_ratio` must be in [0, 1), got {self.drop_ratio}.")
         if not self.profiles:
             raise ConfigError("at least one device profile is needed.")
+        if not 0.0 < self.participation <= 1.0:
+            raise ConfigError(f"`participation` must be in (0, 1], got {self.participation}.")
         self._check_profile_splits()
+        if self.dp:
+            self._check_privacy()
+
+    def _check_privacy(self) -> None:
+        """DP needs the population, a strategy whose mean it can make private, and one split; a target
+        epsilon is turned into the noise multiplier here, once (run.json keeps it)."""
+        dp = PrivacySettings.from_dict(self.dp, where="`dp`")
+        if not self.client_ids:
+            raise ConfigError(
+                "differential privacy needs the run's clients (--client, repeatable): the accountant's population N "
+                "and its delta = 1/N come from them"
+            )
+        if not dp.delta_for(len(self.client_ids)) < 1:
+            raise ConfigError("differential privacy with one client: delta = 1/N is 1, no guarantee; set `dp.delta`")
+        if not get_strategy(self.algorithm).private:
+            raise ConfigError(
+                f"{self.algorithm} cannot run with differential privacy: its cloud step reads each client's own "
+                "values (FedNest's hypergradient) or releases nothing (localot); use ciders-fo, ciders-fd, fedavg, "
+                "scaffold, fedot or fedbiot"
+            )
+        if self.is_mixed:
+            raise ConfigError(
+                "differential privacy needs one messenger depth and one learnable backbone for every profile (the "
+                "clip bound and the noise are over one set of tensors); drop `profile_splits` or use one depth"
+            )
+        if dp.noise_multiplier is None:
+            z = solve_noise_multiplier(dp, self.sampling, self.participation, len(self.client_ids))
+            self.dp = {**self.dp, "noise_multiplier": z}
 
     def _check_profile_splits(self) -> None:
         for name, split in self.profile_splits.items():
@@ -208,6 +249,11 @@ class RunConfig(ConfigMixin):
     @property
     def takd_config(self) -> TakdConfig:
         return TakdConfig.from_dict(self.takd)
+
+    @property
+    def privacy(self) -> PrivacySettings | None:
+        """The run's differential privacy (``None``: off)."""
+        return PrivacySettings.from_dict(self.dp) if self.dp else None
 
 
 def _with_fednest_table(d: dict[str, Any]) -> dict[str, Any]:

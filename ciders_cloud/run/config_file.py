@@ -68,8 +68,10 @@ def load_config(name_or_path: str, command: str) -> dict:
 def _check_ranges(data: dict, where: str) -> None:
     """A table's own checks (``eta`` positive, ...) with the file named: a table holds every key's default."""
     for name, table in ConfigFile.TABLES.items():
+        if name not in data:
+            continue
         try:
-            table.from_dict(data.get(name, {}))
+            table.from_dict(data[name])
         except ConfigError as err:
             raise ConfigError(f"{where}: [{name}] {err}") from None
 

@@ -52,4 +52,6 @@ def strategy_for(run: RunConfig) -> Strategy:
 def round_hyperparams_for(run: RunConfig, round_: int) -> RoundHyperparams:
     """What round ``round_``'s bundles carry: the run's hyperparameters as its strategy varies them."""
     hp = RoundHyperparams.from_dict(run.hyperparameters)
-    return strategy_for(run).round_hyperparams(hp, round_, run.gamma_schedule)
+    hp = strategy_for(run).round_hyperparams(hp, round_, run.gamma_schedule)
+    dp = run.privacy
+    return hp.replace(displacement_clip=dp.clip) if dp is not None and dp.clip_on == "edge" else hp

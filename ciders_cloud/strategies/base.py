@@ -9,7 +9,8 @@ A strategy decides what it asks of edges and what it does with what comes back:
 - :meth:`Strategy.packet_tensors`: what a Δc packet carries besides Δc;
 - :meth:`Strategy.adjust_displacements`: a change to the reconstructed displacements (eq. 11) before
   the server step;
-- :meth:`Strategy.server_step`: the next v and c (eq. 12);
+- :meth:`Strategy.server_step`: the next v and c from the round's mean displacement (eq. 12);
+- :attr:`Strategy.private`: whether differential privacy may wrap the round (its mean is then private);
 - :meth:`Strategy.takd`: how much TAKD the learnable backbone gets after aggregation (eq. 13).
 
 The round driver (:mod:`ciders_cloud.round.aggregate`) calls these hooks and nothing else of an algorithm.
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ciders_cloud.round.aggregation import aggregate
+from ciders_cloud.round.aggregation import server_update
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams, gamma_schedule
 from ciders_edge.tensors import Tensors
@@ -51,6 +52,7 @@ class Strategy:
     name: str = "ciders-fo"
     needs_probe: bool = False  # a first exchange of gradients before training (FedNest)
     one_split: bool = False  # every profile must train the same messenger on the same backbone (FedNest's)
+    private: bool = True  # differential privacy may clip and noise its mean (not: it reads a client's own values)
 
     def for_run(self, run: RunConfig) -> Strategy:
         """This strategy with the run's settings for it (most have none)."""
@@ -77,11 +79,9 @@ class Strategy:
         """The displacements of eq. (11) as the server step takes them, and what to report of the change."""
         return deltas, {}
 
-    def server_step(
-        self, v: Tensors, c: Tensors, deltas: Sequence[Tensors], weights: Sequence[float], hp: RoundHyperparams
-    ) -> tuple[Tensors, Tensors]:
-        """Eq. (12)."""
-        return aggregate(v, c, deltas, weights, hp.tau, hp.local_steps, hp.eta, hp.alpha)
+    def server_step(self, v: Tensors, c: Tensors, mean: Tensors, hp: RoundHyperparams) -> tuple[Tensors, Tensors]:
+        """Eq. (12) from the round's mean displacement (its private mean under differential privacy)."""
+        return server_update(v, c, mean, hp.tau, hp.local_steps, hp.eta, hp.alpha)
 
     def takd(self, hp: RoundHyperparams) -> tuple[int, float | None]:
         """TAKD steps after aggregation and the task-CE weight to use (``None``: the run's)."""

@@ -57,6 +57,7 @@ class FedNest(FedAvg):
     name: str = "fednest"
     needs_probe: bool = True
     one_split: bool = True
+    private: bool = False  # the hypergradient reads every client's own gradients, unclipped
     settings: FedNestSettings = field(default_factory=FedNestSettings)
 
     def for_run(self, run: RunConfig) -> FedNest:

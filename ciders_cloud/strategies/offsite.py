@@ -36,9 +36,10 @@ class LocalOT(FedAvg):
     """Each client alone: it continues its own messenger; the server aggregates nothing."""
 
     name: str = "localot"
+    private: bool = False  # it releases nothing to protect
 
     def round_hyperparams(self, hp, round_, schedule):
         return super().round_hyperparams(hp, round_, schedule).replace(start_from="personalized")
 
-    def server_step(self, v, c, deltas, weights, hp):
+    def server_step(self, v, c, mean, hp):
         return v, c

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ciders_cloud.privacy.settings import SAMPLINGS, PrivacySettings
 from ciders_cloud.run.config import GAMMA_SCHEDULES, TakdConfig
 from ciders_cloud.strategies import STRATEGIES, FedNestSettings
 from ciders_edge.config import ConfigMixin, check_limit
@@ -37,8 +38,18 @@ class SimConfig(ConfigMixin):
     every study's ``config.json`` say; a list of client ids is always ``client_ids`` (RunConfig's).
     """
 
-    CHOICES = {"algorithm": tuple(STRATEGIES), "gamma_schedule": GAMMA_SCHEDULES, "codec": CODECS}
-    TABLES = {"hyperparameters": RoundHyperparams, "takd": TakdConfig, "fednest": FedNestSettings}
+    CHOICES = {
+        "algorithm": tuple(STRATEGIES),
+        "gamma_schedule": GAMMA_SCHEDULES,
+        "codec": CODECS,
+        "sampling": SAMPLINGS,
+    }
+    TABLES = {
+        "hyperparameters": RoundHyperparams,
+        "takd": TakdConfig,
+        "fednest": FedNestSettings,
+        "dp": PrivacySettings,
+    }
 
     model: str = "tiny"
     data: list[str] = field(default_factory=list)
@@ -48,7 +59,8 @@ class SimConfig(ConfigMixin):
     local_steps: int = 20  # K, as RoundHyperparams
     algorithm: str = "ciders-fo"
     partition: str = "iid"  # iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file
-    participation: float = 1.0
+    participation: float = 1.0  # q: the share of clients each round samples
+    sampling: str = "fixed"  # fixed: round(q N) clients a round; poisson: each client with probability q
     seed: int = 0
     eval_every: int = 1
     eval_examples: int = 16  # held-out records per client scored for NLL
@@ -68,6 +80,7 @@ class SimConfig(ConfigMixin):
     hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
     takd: dict = field(default_factory=dict)  # TakdConfig overrides
     fednest: dict = field(default_factory=dict)  # FedNestSettings overrides (fednest and lfednest)
+    dp: dict = field(default_factory=dict)  # client-level differential privacy (PrivacySettings' keys); empty: off
 
     def __post_init__(self) -> None:
         super().__post_init__()

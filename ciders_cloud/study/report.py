@@ -160,8 +160,9 @@ def _summary(data: dict, labels: dict) -> str:
         "# CIDERS simulation report",
         "",
         "| run | rounds | round-0 AdapEmu NLL | final NLL personalized | final NLL global | "
-        "AdapFu NLL personalized | Δcross | bytes up / round | bytes down / client / round | wall s / round |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "AdapFu NLL personalized | Δcross | bytes up / round | bytes down / client / round | wall s / round | "
+        "ε spent (δ) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, rows in data.items():
         evals = [r for r in rows if r["type"] == "eval"]
@@ -177,7 +178,7 @@ def _summary(data: dict, labels: dict) -> str:
             f"| {labels[run]} | {len(rounds)} | {_mean(baseline, 'nll_emu')} | {_mean(final, 'nll_personal')} | "
             f"{_mean(final, 'nll_global')} | {_mean(final, 'nll_full_personal')} | {dc:.4f} | "
             f"{mean(r['bytes_up'] for r in rounds):,.0f} | {mean(r['bytes_down'] for r in rounds):,.0f} | "
-            f"{mean(r['wall_s'] for r in rounds):.1f} |"
+            f"{mean(r['wall_s'] for r in rounds):.1f} | {_epsilon(rounds)} |"
         )
     for run, rows in data.items():
         lines += _by_client(labels[run], rows)
@@ -209,6 +210,15 @@ def _by_client(label: str, rows: list[dict]) -> list[str]:
             f"{full} | {em} |"
         )
     return lines
+
+
+def _epsilon(rounds: list[dict]) -> str:
+    """The privacy its last round had spent: ``2.1 (δ 0.02)``, or ``∞`` for a run without DP."""
+    spent = rounds[-1].get("privacy") if rounds else None
+    if spent is None:
+        return "∞ (no DP)"
+    eps = spent["epsilon"]
+    return f"{eps:.3g} (δ {spent['delta']:.2g})" if isinstance(eps, float | int) else f"∞ (δ {spent['delta']:.2g})"
 
 
 def _mean(rows: list[dict], key: str) -> str:

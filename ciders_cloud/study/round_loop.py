@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from ciders_cloud.round.aggregate import aggregate_files, aggregate_probes
+from ciders_cloud.round.sampling import sample_clients
 from ciders_cloud.run.config import load_run
 from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.strategies import get_strategy, round_hyperparams_for
@@ -45,7 +46,7 @@ def run_rounds(
         append_jsonl(study.metrics, profiles.tag(baseline))
     for t in range(cfg.rounds):
         started = time.perf_counter()
-        participants = sorted(rng.sample(ids, max(1, round(cfg.participation * len(ids)))))
+        participants = sample_clients(ids, cfg.participation, cfg.sampling, rng, private=bool(cfg.dp))
         probed = _probe(study, t, participants, profiles, device) if strategy.needs_probe else {}
         packets, outputs = [], {}
         for cid in participants:
@@ -74,7 +75,8 @@ def run_rounds(
             _client_record(t, cid, hp, outputs[cid].summary, diag[cid], fetched[cid], probe_up.get(cid, 0))
             for cid in participants
         ]
-        per_client = mean(down[profiles.profile_of[cid]] for cid in participants)  # profiles' bundles differ
+        # profiles' bundles differ
+        per_client = mean(down[profiles.profile_of[cid]] for cid in participants) if participants else 0
         records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, per_client))
         down = {p: agg["bytes_down"][p] for p in profiles.groups}  # what each client fetches for the next round
         if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
@@ -142,4 +144,10 @@ def _round_record(
         "bytes_down": down + probe_down,  # per client, this round
         **({"backbones": agg["backbones"]} if "backbones" in agg else {}),  # each one's TAKD cost and fidelity
         **(probed.get("bilevel") or agg.get("bilevel") or {}),  # FedNest / LFedNest's hypergradient
+        **({"privacy": _privacy_record(agg["privacy"])} if "privacy" in agg else {}),
     }
+
+
+def _privacy_record(privacy: dict) -> dict:
+    """The round's epsilon and the mechanism's figures, without the per-client norms."""
+    return {k: v for k, v in privacy.items() if k != "norms_before_clip"}

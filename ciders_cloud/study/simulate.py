@@ -148,6 +148,9 @@ def _run_config(cfg: SimConfig, ids: list[str], study: StudyFolder) -> RunConfig
         fednest=cfg.fednest,
         gamma_schedule=cfg.gamma_schedule,
         client_ids=ids,
+        participation=cfg.participation,
+        sampling=cfg.sampling,
+        dp={"rounds": cfg.rounds, **cfg.dp} if "target_epsilon" in cfg.dp else cfg.dp,  # the study's rounds, planned
     )
 
 

@@ -6,7 +6,7 @@ all share one set of tensor names. Nothing here mutates its inputs, moves device
 
 from __future__ import annotations
 
-from ciders_edge.tensors import Tensors, add, scale, sub
+from ciders_edge.tensors import Tensors, add, norm, scale, sub
 
 __all__ = [
     "look_ahead",
@@ -14,6 +14,7 @@ __all__ = [
     "fd_surrogate",
     "trajectory_gradient",
     "displacement",
+    "clip_displacement",
     "consensus_update",
     "delta_c",
     "reconstruct_displacement",
@@ -45,6 +46,13 @@ def trajectory_gradient(
 def displacement(v: Tensors, x_final: Tensors, local_steps: int, eta: float) -> Tensors:
     """Eq. (9): ``Delta_i = (v - x_K) / (K eta)``: the round's average step, in gradient units."""
     return scale(sub(v, x_final), 1.0 / (local_steps * eta))
+
+
+def clip_displacement(delta: Tensors, bound: float) -> Tensors:
+    """DP-FedAvg's clipping of eq. (9)'s displacement: ``Delta_i * min(1, C / ||Delta_i||)``, the L2 norm over
+    every tensor, so one client's contribution to eq. (12)'s sum is at most ``C`` (docs/privacy.md)."""
+    total = norm(delta)
+    return delta if total <= bound else scale(delta, bound / total)
 
 
 def consensus_update(c_i: Tensors, delta: Tensors, c: Tensors, alpha: float, gamma: float) -> Tensors:

@@ -22,7 +22,13 @@ from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.schedule import lr_multiplier
 from ciders_edge.tensors import FlatLayout, Tensors
 from ciders_edge.training.directions import DIRECTIONS, on_flat
-from ciders_edge.training.equations import consensus_update, delta_c, displacement, trajectory_gradient
+from ciders_edge.training.equations import (
+    clip_displacement,
+    consensus_update,
+    delta_c,
+    displacement,
+    trajectory_gradient,
+)
 
 __all__ = ["FlatObjective", "LocalResult", "local_update"]
 
@@ -98,6 +104,8 @@ def local_update(
                 on_step(metrics)
     _read_metrics(steps)
     delta = on_flat(displacement, fv, x.detach(), hp.local_steps, hp.eta)  # eq. (9)
+    if hp.displacement_clip is not None:  # differential privacy clipped on the edge (SecAgg's fleets)
+        delta = on_flat(clip_displacement, delta, hp.displacement_clip)
     c_i_new = on_flat(consensus_update, fci, delta, fc, hp.alpha, hp.gamma)  # eq. (10)
     dc = on_flat(delta_c, c_i_new, fci)
     out = packer.unpack

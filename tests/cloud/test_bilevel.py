@@ -9,6 +9,7 @@ import pytest
 import torch
 from flat_objective import AsFlat
 
+from ciders_cloud.round.aggregation import layer_means
 from ciders_cloud.strategies import get_strategy
 from ciders_cloud.strategies.hypergradient import (
     autograd_second_order,
@@ -141,7 +142,7 @@ def _run(algorithm, rounds=100, local_steps=5, inner_steps=20):
         deltas = [local_update(x, zero, zero, AsFlat(Client(a, b, y["y"]), x), hp, control=h).delta for a, b in clients]
         if hp.grad_y_in_packet:  # LFedNest: the cloud adds the indirect term
             deltas = [add(d, q, mean_lr_multiplier(hp)) for d in deltas]
-        x, _ = strategy.server_step(x, zero, deltas, weights, hp)
+        x, _ = strategy.server_step(x, zero, layer_means(deltas, weights, x), hp)
         for _ in range(inner_steps):  # gradient descent on g(x, .): y -> y*(x)
             y = {"y": y["y"] - 0.5 * (hess @ y["y"] - b_mat @ x["x"])}
     return x["x"], _solution(hess, b_mat, clients)

@@ -4,6 +4,7 @@ server step makes of the displacements (eq. 12), and how much TAKD follows (eq. 
 import pytest
 import torch
 
+from ciders_cloud.round.aggregation import layer_means
 from ciders_cloud.strategies import STRATEGIES, get_strategy
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
@@ -18,7 +19,7 @@ def t(*values: float) -> dict[str, torch.Tensor]:
 
 def step(name: str, v, c, deltas, weights):
     s = get_strategy(name)
-    return s.server_step(v, c, deltas, weights, s.round_hyperparams(HP, 1, "constant"))
+    return s.server_step(v, c, layer_means(deltas, weights, v), s.round_hyperparams(HP, 1, "constant"))
 
 
 def test_ciders_moves_v_by_tau_k_eta_and_c_by_alpha():

@@ -190,6 +190,17 @@ def test_edges_are_known_by_their_registered_key_only(run0, tmp_path):
     assert co.edges(nodes) == [Edge(3, "a"), Edge(7, "b")]
 
 
+def test_a_round_samples_the_runs_clients_and_names_the_sampled_ones_not_online(run0):
+    co = Coordinator(run0 / "run")
+    both = [Edge(3, "a"), Edge(7, "b")]
+    assert co.sample(both) == (both, []) and co.sample(both[:1]) == (both[:1], ["b"])  # participation 1: all
+    co.run = co.run.replace(participation=0.5)  # fixed: one of the two, drawn afresh each round
+    draws = [co.sample(both) for _ in range(64)]
+    assert all(len(edges) == 1 and not offline for edges, offline in draws)
+    assert {edges[0].client_id for edges, _ in draws} == {"a", "b"}
+    assert {tuple(offline) for edges, offline in (co.sample(both[:1]) for _ in range(64)) if not edges} == {("b",)}
+
+
 def test_packet_from_another_client_or_round_is_refused_and_changes_nothing(run0, tmp_path):
     shutil.copytree(run0 / "run", tmp_path / "run")
     co = Coordinator(tmp_path / "run")

@@ -1,0 +1,18 @@
+"""Client-level differential privacy of the cloud's aggregate (DP-FedAvg, docs/privacy.md): the run's
+settings, the Gaussian mechanism on eq. (12)'s mean, and the privacy accountant."""
+
+from ciders_cloud.privacy.accountant import PrivacySpent, privacy_spent, solve_noise_multiplier
+from ciders_cloud.privacy.mechanism import private_mean
+from ciders_cloud.privacy.release import PrivateRelease
+from ciders_cloud.privacy.settings import CLIP_SITES, SAMPLINGS, PrivacySettings
+
+__all__ = [
+    "PrivacySettings",
+    "SAMPLINGS",
+    "CLIP_SITES",
+    "PrivacySpent",
+    "privacy_spent",
+    "solve_noise_multiplier",
+    "private_mean",
+    "PrivateRelease",
+]
