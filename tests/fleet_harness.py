@@ -68,9 +68,9 @@ class Fleet:
         RunFolder(self.run_dir).nodes.mkdir(exist_ok=True)
         shutil.copy(public, RunFolder(self.run_dir).node_key(cid))
 
-    def serve(self, rounds: int, min_clients: int, timeout: float, name: str = "cloud") -> None:
+    def serve(self, rounds: int, min_clients: int, timeout: float, *extra, name: str = "cloud") -> None:
         cmd = [BIN / "ciders-cloud", "serve", "--run", self.run_dir, "--rounds", rounds, "--min-clients", min_clients]
-        cmd += ["--address", f"127.0.0.1:{self.port}", "--round-timeout", timeout]
+        cmd += ["--address", f"127.0.0.1:{self.port}", "--round-timeout", timeout, *extra]
         self._start(name, cmd)
 
     def join(self, cid: str, data: Path, *extra, profile: str = "cpu-laptop") -> None:

@@ -25,6 +25,10 @@ def serve(
     round_timeout: Annotated[float, typer.Option(help="Seconds to wait for edges and their replies.")] = 600.0,
     certs: Annotated[Path | None, typer.Option(help="Folder from `ciders-cloud certs` (default RUN/certs).")] = None,
     connect: Annotated[bool, typer.Option(help="Use the SuperLink running on this host.")] = False,
+    secure_aggregation: Annotated[
+        bool,
+        typer.Option(help="Sum the edges' displacements by Flower's SecAgg+: the cloud sees only their mean."),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Run the rounds over the network on a Flower SuperLink; edges join with `ciders-edge join`."""
@@ -42,6 +46,7 @@ def serve(
         console.print(f"[green]✓[/] run at round {s['round']} of {s['rounds']} ({done})")
 
     opts = dict(min_clients=min_clients, address=address, round_timeout=round_timeout, certs=certs)
+    opts["secure_aggregation"] = secure_aggregation
     body = locked(run, "serve", lambda: serve_fleet(ServeSettings(run, rounds, connect=connect, **opts)))
     run_command(body, as_json, render)
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
+from ciders_cloud.fleet.secure import CLIP_RANGE
 from ciders_cloud.models.layers import ProfileLayers
-from ciders_cloud.round.aggregate import aggregate_packets
+from ciders_cloud.round.aggregate import aggregate_packets, aggregate_secure
 from ciders_cloud.round.intake import CLIENT_ID, check_packets, read_packets
 from ciders_cloud.round.sampling import sample_clients
 from ciders_cloud.run.config import load_run
@@ -31,6 +32,7 @@ from ciders_edge.fleet.bundle_sync import files_to_ship
 from ciders_edge.fleet.protocol import consensus_digest
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import MANIFEST, Bundle
+from ciders_edge.tensors import Tensors
 
 __all__ = ["Coordinator", "Edge", "node_keys"]
 
@@ -66,8 +68,9 @@ def node_keys(run_dir: Path, allowed: list[str] | None = None) -> dict[bytes, st
 class Coordinator:
     """The cloud's decisions for one run folder; reloads the server state at each round."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, secure: bool = False) -> None:
         self.run_dir = Path(run_dir)
+        self.secure = secure  # rounds summed by Flower's SecAgg+: the cloud then keeps no c_i
         self.folder = RunFolder(run_dir)
         self.run = load_run(self.run_dir)
         self.keys = node_keys(self.run_dir, self.run.client_ids)
@@ -86,6 +89,13 @@ class Coordinator:
     def private(self) -> bool:
         """Whether the run's aggregate is differentially private (a round then releases even with no packet)."""
         return bool(self.run.dp)
+
+    @property
+    def secure_range(self) -> float:
+        """The elementwise bound SecAgg+ clips displacements to before quantizing: C under DP (each edge
+        clipped its norm to C already), else :data:`~ciders_cloud.fleet.secure.CLIP_RANGE`."""
+        dp = self.run.privacy
+        return dp.clip if dp is not None else CLIP_RANGE
 
     def sample(self, online: list[Edge]) -> tuple[list[Edge], list[str]]:
         """This round's participants: the online edges among the run's sample of its clients (all of them
@@ -106,12 +116,15 @@ class Coordinator:
         the node says its profile only in its answer; ``c_i_digest`` is under v's names."""
         c_i = self.state.clients.get(edge.client_id)
         own = {p: layers.to_own(c_i) if c_i is not None else None for p, layers in self.layers.items()}
-        return {
+        request = {
             "client_id": edge.client_id,
             "round": self.round,
             "c_i_digest": consensus_digest(c_i),
             "c_i_digests": json.dumps({p: consensus_digest(t) for p, t in own.items()}),
         }
+        if self.secure:  # no c_i here: the edge commits the round its displacement was summed in
+            request["summed_round"] = self.state.summed.get(edge.client_id, -1)
+        return request
 
     @property
     def layers(self) -> dict[str, ProfileLayers]:
@@ -154,6 +167,13 @@ class Coordinator:
             for e in sorted(packets, key=lambda e: e.client_id)
         ]
         summary = aggregate_packets(self.run_dir, items, drop_outliers=True)
+        self.state = ServerState.load(self.folder.server_state)
+        self._bundles, self._bytes = {}, {}
+        return summary
+
+    def close_secure_round(self, mean: Tensors, edges: list[Edge]) -> dict:
+        """Eq. (12)-(13) from the secure mean of ``edges``' displacements, and on to the next round."""
+        summary = aggregate_secure(self.run_dir, mean, sorted(e.client_id for e in edges))
         self.state = ServerState.load(self.folder.server_state)
         self._bundles, self._bytes = {}, {}
         return summary

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ciders_cloud.fleet.coordinator import node_keys
+from ciders_cloud.fleet.secure import MIN_EDGES
 from ciders_cloud.fleet.superlink import GRPC_SWITCHES, LOOPBACK
-from ciders_cloud.run.config import load_run
+from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import CertsFolder, RunFolder
 from ciders_cloud.run.server_state import ServerState
+from ciders_cloud.strategies import strategy_for
 from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.lifetime import guarded
@@ -55,6 +57,7 @@ class ServeSettings:
     round_timeout: float = 600.0
     certs: Path | None = None  # default RUN/certs
     connect: bool = False  # use a SuperLink already running at `address`
+    secure_aggregation: bool = False  # rounds summed by Flower's SecAgg+ (the cloud learns only their mean)
 
     def __post_init__(self) -> None:
         check_limit("rounds", self.rounds, "--rounds")
@@ -73,14 +76,40 @@ class ServeSettings:
         """The value of ``flwr run --run-config`` (TOML values; the run folder as an absolute path)."""
         return (
             f"run-dir={json.dumps(str(self.run_dir.resolve()))} rounds={self.rounds} "
-            f"min-clients={self.min_clients} round-timeout={float(self.round_timeout)}"
+            f"min-clients={self.min_clients} round-timeout={float(self.round_timeout)} "
+            f"secure-aggregation={str(self.secure_aggregation).lower()}"
         )
 
     @classmethod
     def from_run_config(cls, rc) -> ServeSettings:
         """The settings from the ServerApp's ``context.run_config`` (what :meth:`to_run_config` sent)."""
         run_dir, rounds, min_clients = Path(str(rc["run-dir"])), int(rc["rounds"]), int(rc["min-clients"])
-        return cls(run_dir, rounds, min_clients, round_timeout=float(rc["round-timeout"]))
+        secure = bool(rc.get("secure-aggregation", False))
+        return cls(run_dir, rounds, min_clients, round_timeout=float(rc["round-timeout"]), secure_aggregation=secure)
+
+
+def check_aggregation(run: RunConfig, state: ServerState, opts: ServeSettings) -> None:
+    """Refuse a secure-aggregation setting the run cannot take, in one line, before anything starts."""
+    if not opts.secure_aggregation:
+        if state.summed:
+            raise ConfigError(
+                f"{opts.run_dir}: this run's rounds were securely aggregated (the cloud holds no c_i); serve it "
+                "with --secure-aggregation"
+            )
+        return
+    why = None
+    if opts.min_clients < MIN_EDGES:
+        why = f"--min-clients {MIN_EDGES} at least (with two edges, each could subtract its own displacement)"
+    elif state.clients:
+        why = "a run whose earlier rounds were aggregated in the clear (the cloud holds c_i copies that would go stale)"
+    elif run.is_mixed:
+        why = "profiles that train different messenger layers (the edges' vectors would differ in shape)"
+    elif strategy_for(run).needs_probe or not strategy_for(run).private:
+        why = f"{run.algorithm} (its cloud step reads each client's own values, or sums nothing)"
+    elif (dp := run.privacy) is not None and dp.clip_on != "edge":
+        why = "differential privacy clipped on the cloud, which sees no displacement: prepare with --dp-clip-on edge"
+    if why is not None:
+        raise ConfigError(f"--secure-aggregation cannot serve {why}")
 
 
 def control_address(address: str) -> tuple[str, int]:
@@ -92,9 +121,14 @@ def control_address(address: str) -> tuple[str, int]:
 def serve(opts: ServeSettings) -> dict:
     """Run the fleet until the run has ``opts.rounds`` completed rounds; returns the per-round bytes."""
     run_dir, folder = opts.run_dir, RunFolder(opts.run_dir)
-    load_run(run_dir)
-    start = ServerState.load(folder.server_state).round
+    run, state = load_run(run_dir), ServerState.load(folder.server_state)
+    start = state.round
+    check_aggregation(run, state, opts)
     keys = node_keys(run_dir)
+    if opts.secure_aggregation and len(keys) < MIN_EDGES:
+        raise ConfigError(
+            f"{folder.nodes}: {len(keys)} edge keys; --secure-aggregation needs at least {MIN_EDGES} edges"
+        )
     if len(keys) < opts.min_clients:
         raise ConfigError(
             f"{folder.nodes}: {len(keys)} edge keys for --min-clients {opts.min_clients}; "

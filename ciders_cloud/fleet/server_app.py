@@ -24,6 +24,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report, refusal
+from ciders_cloud.fleet.secure import MIN_EDGES, CountingGrid, fit_ins, secure_sum
 from ciders_cloud.fleet.serve import ServeSettings
 from ciders_cloud.run.folder import RunFolder
 from ciders_edge.errors import CidersError, StateError
@@ -62,11 +63,11 @@ _end_with_superexec()  # at import, not in main(): the app takes seconds to load
 def main(grid: Grid, context: Context) -> None:
     s = ServeSettings.from_run_config(context.run_config)
     with serverapp_lock(s.run_dir):
-        co = Coordinator(s.run_dir)
+        co = Coordinator(s.run_dir, secure=s.secure_aggregation)
         log(INFO, "CIDERS fleet: %s at round %d of %d, %d edge keys", s.run_dir, co.round, s.rounds, len(co.keys))
         empty = 0
         while co.round < s.rounds:
-            closed = run_round(grid, co, s, patient=empty == 0 and co.round == co.started)
+            closed = run_round(grid, context, co, s, patient=empty == 0 and co.round == co.started)
             empty = 0 if closed else empty + 1
             if empty == MAX_EMPTY_ROUNDS:
                 raise ReplyError(
@@ -77,7 +78,7 @@ def main(grid: Grid, context: Context) -> None:
         log(INFO, "CIDERS fleet: done, %d rounds", co.round)
 
 
-def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> bool:
+def run_round(grid: Grid, context: Context, co: Coordinator, s: ServeSettings, patient: bool) -> bool:
     """One round; False when no packet was accepted (the round is then run again)."""
     t, started = co.round, time.monotonic()
     edges, offline = co.sample(wait_for_edges(grid, co, s, patient))
@@ -86,17 +87,53 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> b
     records = {e: {"type": "client", "round": t, "client": e.client_id, "bytes_down": 0, "bytes_up": 0} for e in edges}
     records |= {cid: {"type": "client", "round": t, "client": cid, "bytes_down": 0, "bytes_up": 0,
                       "status": "sampled, not online"} for cid in offline}  # fmt: skip
-    train = {}
+    requests = {}
     for e in edges:
         try:
             answer = json.loads(_content(answers.get(e), "sync", s).config_records[SYNC]["json"])
-            config, files = co.train_request(e, answer)
+            requests[e] = co.train_request(e, answer)
         except Exception as err:  # noqa: BLE001  one edge's bad answer must not stop the round
             records[e]["status"] = refusal(err)
             continue
+        config, files = requests[e]
         records[e].update(bytes_down=len(config["manifest"]) + sum(map(len, files.values())), files_down=sorted(files))
-        content = RecordDict({ROUND: ConfigRecord(config), FILES: bytes_record(files)})
-        train[e] = Message(content, e.node_id, MessageType.TRAIN, ttl=s.round_timeout, group_id=str(t))
+    train = secure_train if s.secure_aggregation else plain_train
+    summary = train(grid, context, co, s, requests, records)
+    for r in records.values():
+        if "status" in r:
+            log(WARNING, "round %d: %s left out: %s", t, r["client"], r["status"])
+    if summary is None:
+        co.log(list(records.values()))
+        log(WARNING, "round %d: no packet accepted; the round starts again", t)
+        return False
+    wall = time.monotonic() - started
+    co.log([*records.values(), _round_record(t, summary, records, wall)])
+    log(
+        INFO,
+        "round %d closed in %.1f s: %s aggregated; %s bytes up, %s down",
+        t,
+        wall,
+        ", ".join(summary["clients"]),
+        f"{sum(r['bytes_up'] for r in records.values()):,}",
+        f"{sum(r['bytes_down'] for r in records.values()):,}",
+    )
+    return True
+
+
+def plain_train(grid, context, co: Coordinator, s: ServeSettings, requests: dict, records: dict) -> dict | None:
+    """Each edge trains and answers with its Δc packet; the round closes with the packets that pass the checks
+    (``None``: none did, and the run is not private)."""
+    t = co.round
+    train = {
+        e: Message(
+            RecordDict({ROUND: ConfigRecord(config), FILES: bytes_record(files)}),
+            e.node_id,
+            MessageType.TRAIN,
+            ttl=s.round_timeout,
+            group_id=str(t),
+        )
+        for e, (config, files) in requests.items()
+    }
     accepted = {}
     for e, reply in exchange(grid, train, s.round_timeout).items():
         try:
@@ -110,28 +147,40 @@ def run_round(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> b
             records[e]["status"] = refusal(err)
     for e in train.keys() - accepted.keys():
         records[e].setdefault("status", f"no reply to training within {s.round_timeout:g} s")
-    for r in records.values():
-        if "status" in r:
-            log(WARNING, "round %d: %s left out: %s", t, r["client"], r["status"])
     if not accepted and not co.private:  # a private round releases its noise whoever answered (its sample stands)
-        co.log(list(records.values()))
-        log(WARNING, "round %d: no packet accepted; the round starts again", t)
-        return False
+        return None
     summary = co.close_round(accepted)
     for e in accepted:
         records[e]["status"] = summary["dropped"].get(e.client_id, "aggregated")
-    wall = time.monotonic() - started
-    co.log([*records.values(), _round_record(t, summary, records, wall)])
-    log(
-        INFO,
-        "round %d closed in %.1f s: %s aggregated; %s bytes up, %s down",
-        t,
-        wall,
-        ", ".join(summary["clients"]),
-        f"{sum(r['bytes_up'] for r in records.values()):,}",
-        f"{sum(r['bytes_down'] for r in records.values()):,}",
-    )
-    return True
+    return summary
+
+
+def secure_train(grid, context, co: Coordinator, s: ServeSettings, requests: dict, records: dict) -> dict | None:
+    """Flower's SecAgg+ stages over the edges: each trains in the third and answers with its masked
+    displacement; the cloud unmasks only their mean (``None``: the protocol stopped, too few edges left)."""
+    if len(requests) < MIN_EDGES:  # a sum of fewer would tell an edge the others' displacements
+        for e in requests:
+            records[e]["status"] = f"not summed: {len(requests)} edges answered, a secure sum needs {MIN_EDGES}"
+        return co.close_secure_round({k: t * 0 for k, t in co.state.messenger.items()}, []) if co.private else None
+    by_node = {e.node_id: e for e in requests}
+    fits = {e.node_id: fit_ins(config, files) for e, (config, files) in requests.items()}
+    counted = CountingGrid(grid)
+    result = secure_sum(counted, context, co.round, fits, co.state.messenger, co.secure_range, s.round_timeout)
+    summed = [by_node[nid] for nid in result.summed]
+    for e in requests:
+        records[e]["status"] = "aggregated" if e in summed else "not in the secure sum (no reply in time)"
+    for nid, text in result.summaries.items():
+        try:
+            records[by_node[nid]]["edge"] = edge_report(text)
+        except Exception as err:  # noqa: BLE001  a malformed report is logged, the sum stands
+            records[by_node[nid]]["edge"] = {"report": refusal(err)}
+    for e in requests:  # the protocol's bytes, all stages and the bundle, shared evenly (SecAgg+ sends alike)
+        records[e]["bytes_down"] = counted.sent // max(1, len(requests))
+        records[e]["bytes_up"] = counted.received // max(1, len(requests))
+    if result.mean is None and not co.private:
+        return None
+    mean = result.mean if result.mean is not None else {k: t * 0 for k, t in co.state.messenger.items()}
+    return co.close_secure_round(mean, summed)
 
 
 def wait_for_edges(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> list[Edge]:

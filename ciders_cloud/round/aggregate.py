@@ -10,7 +10,7 @@ same result) or, if the state already moved on with exactly these packets, repor
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,14 +28,15 @@ from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.logs import fidelity_record, write_round_log
 from ciders_cloud.run.server_state import ServerState
-from ciders_cloud.strategies import CloudRound, strategy_for
-from ciders_edge.errors import PacketError
+from ciders_cloud.strategies import CloudRound, round_hyperparams_for, strategy_for
+from ciders_edge.errors import PacketError, StateError
 from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.formats.packet import PROBE_KIND
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.profiles import load_profile
 from ciders_edge.tensors import Tensors, add, non_finite, norm
 
-__all__ = ["aggregate_packets", "aggregate_files", "aggregate_probes"]
+__all__ = ["aggregate_packets", "aggregate_files", "aggregate_probes", "aggregate_secure"]
 
 
 def _check_finite(tensors: Tensors, what: str) -> None:
@@ -68,9 +69,12 @@ def aggregate_packets(
     the state stays on the CPU.
     """
     device = cloud_device(device)
-    folder = RunFolder(run_dir)
-    run = load_run(run_dir)
-    state = ServerState.load(folder.server_state)
+    run, state = load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state)
+    if state.summed:
+        raise StateError(
+            f"{run_dir}: this run's rounds are securely aggregated, so the cloud holds no c_i to reconstruct a Δc "
+            "packet with; go on with `ciders-cloud serve --secure-aggregation`"
+        )
     received = read_packets(run_dir, items)
     digests = sorted(r.digest for r in received)
     if state.last_round_digests and digests == state.last_round_digests and state.round > 0:
@@ -101,66 +105,101 @@ def aggregate_packets(
         privacy = {**privacy, **spent.to_dict()}
     else:
         mean, privacy = layer_means(deltas, weights, state.messenger), None
+    round_ = {
+        "clients": [r.packet.client_id for r in received],
+        "weights": weights,
+        "bytes_up": {r.packet.client_id: r.size for r in received},
+        "delta_norms": {r.packet.client_id: norm(d) for r, d in zip(received, deltas, strict=True)},
+    }
+    closing = {"bilevel": bilevel, "dropped": dropped, **({"privacy": privacy} if privacy is not None else {})}
+    new = replace(state, clients=new_clients, last_round_digests=digests)
+    return _commit(run_dir, run, state, new, hp, backbones, mean, round_, closing)
+
+
+def aggregate_secure(run_dir: Path, mean: Tensors, clients: list[str], device: str | torch.device = "cpu") -> dict:
+    """A secure round (``serve --secure-aggregation``): eq. (12)–(13) from the mean of the displacements of
+    ``clients``, which Flower's SecAgg+ summed without the cloud seeing one of them (docs/privacy.md).
+
+    The cloud keeps no c_i: it notes for each client the round it was summed in (the edge commits that
+    round on it). Under DP each edge clipped its own displacement (``dp.clip_on = "edge"``) and the noise
+    goes on their sum here."""
+    device = cloud_device(device)
+    run, state = load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state)
+    if state.clients:
+        raise StateError(
+            f"{run_dir}: this run's earlier rounds were aggregated in the clear, and the cloud's copies of c_i "
+            "would go stale under secure aggregation; serve it without --secure-aggregation"
+        )
+    release = PrivateRelease.of(run)
+    spent = release.check_budget(state.round) if release else None
+    if not clients and not release:
+        raise PacketError(f"round {state.round}: the secure sum holds no client")
+    if (name := non_finite(mean)) is not None:
+        raise PacketError(f"round {state.round}: the secure sum's tensor {name} is not finite; nothing was written")
+    hp = round_hyperparams_for(run, state.round)
+    privacy = None
+    if release:  # each edge clipped to C; the sum is the survivors' mean times their count
+        mean, privacy = release.noised({k: t * len(clients) for k, t in mean.items()}, state.messenger)
+        privacy = {**privacy, **spent.to_dict()}
+    backbones = load_cloud_models(run_dir, run, state, device)
+    weights = release.weights(len(clients)) if release else [1.0 / len(clients)] * len(clients)
+    round_ = {"clients": list(clients), "weights": weights, "secure": True}
+    closing = {"dropped": {}, **({"privacy": privacy} if privacy is not None else {})}
+    new = replace(state, summed={**state.summed, **dict.fromkeys(clients, state.round)}, last_round_digests=[])
+    return _commit(run_dir, run, state, new, hp, backbones, mean, round_, closing)
+
+
+def _commit(
+    run_dir: Path,
+    run: RunConfig,
+    state: ServerState,
+    new: ServerState,
+    hp: RoundHyperparams,
+    backbones: dict[str, CloudModels],
+    mean: Tensors,
+    round_: dict,
+    closing: dict,
+) -> dict:
+    """Eq. (12) from the round's mean, eq. (13) on every backbone, then the commit: round t+1's bundles
+    first (unreferenced until the state says so), then ``new`` (its clients, digests or sums already set)
+    as the server state. Returns the round's summary: ``round_`` and ``closing`` around the step's figures."""
+    strategy = strategy_for(run)
     v, c = strategy.server_step(state.messenger, state.consensus, mean, hp)  # (12), per layer
     _check_finite({"v": v, "c": c}, f"round {state.round}")
     takd = {name: _distill(models, v, run, state, *strategy.takd(hp)) for name, models in backbones.items()}  # (13)
-    summary = _summary(run, state, received, weights, deltas, v, c, takd, bilevel, dropped)
-    if privacy is not None:
-        summary["privacy"] = privacy
-    reference = next(iter(takd))
-    new = ServerState(
-        state.round + 1,
-        v,
-        pack({name: m.backbone_state() for name, m in backbones.items()}, reference),
-        c,
-        new_clients,
-        pack({name: t.optimizer for name, t in takd.items()}, reference),
-        takd[reference].step,
-        state.rng,
-        last_round_digests=digests,
+    reference = takd[next(iter(takd))]
+    summary = {
+        "round": state.round,
+        "next_round": state.round + 1,
+        "algorithm": run.algorithm,
+        **round_,
+        "v_change": norm({k: v[k] - state.messenger[k] for k in v}),
+        "c_norm": norm(c),
+        "takd_steps": len(reference.records),
+        "takd_last": reference.records[-1] if reference.records else None,
+        "fidelity": reference.fidelity.to_dict() if reference.fidelity else None,
+        **closing,
+    }
+    if len(takd) > 1:  # the cost and fidelity of each backbone's TAKD
+        summary["backbones"] = {name: t.summary() for name, t in takd.items()}
+    first = next(iter(takd))
+    new = replace(
+        new,
+        round=state.round + 1,
+        messenger=v,
+        backbone=pack({name: m.backbone_state() for name, m in backbones.items()}, first),
+        consensus=c,
+        optimizer=pack({name: t.optimizer for name, t in takd.items()}, first),
+        takd_step=takd[first].step,
         last_summary=summary,
     )
     fidelities = {name: t.fidelity for name, t in takd.items()}
     bundles = write_bundles(run_dir, run, backbones, new, [load_profile(p) for p in run.profiles], fidelities)
     summary["bundles"] = {k: str(b.path) for k, b in bundles.items()}
     summary["bytes_down"] = {k: b.new_bytes for k, b in bundles.items()}
+    folder = RunFolder(run_dir)
     write_round_log(folder.distill_log, state, _takd_log(run, state, takd))
     new.save(folder.server_state)  # the commit point
-    return summary
-
-
-def _summary(
-    run: RunConfig,
-    state: ServerState,
-    received: list[Received],
-    weights: list[float],
-    deltas: list[Tensors],
-    v: Tensors,
-    c: Tensors,
-    takd: dict[str, Distilled],
-    bilevel: dict,
-    dropped: dict[str, str],
-) -> dict:
-    """What ``aggregate`` reports of a round (and the server state keeps as its last summary)."""
-    reference = takd[next(iter(takd))]
-    summary = {
-        "round": state.round,
-        "next_round": state.round + 1,
-        "algorithm": run.algorithm,
-        "clients": [r.packet.client_id for r in received],
-        "weights": weights,
-        "bytes_up": {r.packet.client_id: r.size for r in received},
-        "delta_norms": {r.packet.client_id: norm(d) for r, d in zip(received, deltas, strict=True)},
-        "v_change": norm({k: v[k] - state.messenger[k] for k in v}),
-        "c_norm": norm(c),
-        "takd_steps": len(reference.records),
-        "takd_last": reference.records[-1] if reference.records else None,
-        "fidelity": reference.fidelity.to_dict() if reference.fidelity else None,
-        "bilevel": bilevel,
-        "dropped": dropped,
-    }
-    if len(takd) > 1:  # the cost and fidelity of each backbone's TAKD
-        summary["backbones"] = {name: t.summary() for name, t in takd.items()}
     return summary
 
 

@@ -25,6 +25,12 @@ FIELDS = {  # state.json, checked on load
     "rng": optional(OBJECT),
     "last_round_digests": optional(list_of(STR)),
     "last_summary": optional(Field("an object or null", lambda v: v is None or isinstance(v, dict))),
+    "summed": optional(
+        Field(
+            "an object of rounds",
+            lambda v: isinstance(v, dict) and all(isinstance(r, int) and not isinstance(r, bool) for r in v.values()),
+        )
+    ),
 }
 
 
@@ -42,6 +48,8 @@ class ServerState:
     rng: dict = field(default_factory=dict)  # torch/python RNG states, JSON-able
     last_round_digests: list[str] = field(default_factory=list)  # sha256 of the packets that made this state
     last_summary: dict = field(default_factory=dict)  # what that aggregation reported
+    # secure aggregation: the last round whose secure sum held each client (the cloud holds no c_i then)
+    summed: dict[str, int] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
         flat = {f"{cid}/{k}": v for cid, st in self.clients.items() for k, v in st.items()}
@@ -60,6 +68,7 @@ class ServerState:
             "rng": self.rng,
             "last_round_digests": self.last_round_digests,
             "last_summary": self.last_summary,
+            **({"summed": self.summed} if self.summed else {}),  # a plain run's state.json is as it was
         }
         save_state_dir(Path(path), tensors, meta)
 
@@ -80,6 +89,7 @@ class ServerState:
             meta.get("rng", {}),
             meta.get("last_round_digests", []),
             meta.get("last_summary", {}),
+            meta.get("summed") or {},
         )
 
 

@@ -14,9 +14,10 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from ciders_edge.fleet import edge
-from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
+from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes, summed_round
+from ciders_edge.fleet.secure import is_secure, secure_aggregation_mod, secure_reply, secure_request
 
-app = ClientApp()
+app = ClientApp(mods=[secure_aggregation_mod])  # a secure round's messages go through Flower's SecAgg+ mod
 
 
 @app.query()
@@ -24,18 +25,21 @@ def sync(msg: Message, context: Context) -> Message:
     ask = msg.content.config_records[SYNC]
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
     digest, elsewhere = edge.cloud_digest(ask, cfg.profile), edge.other_profiles(ask, cfg.profile)
-    answer = edge.sync(cfg, str(ask["client_id"]), digest, int(ask["round"]), elsewhere)
+    answer = edge.sync(cfg, str(ask["client_id"]), digest, int(ask["round"]), elsewhere, summed_round(ask))
     return Message(RecordDict({SYNC: ConfigRecord({"json": json.dumps(answer)})}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    r = msg.content.config_records[ROUND]
-    files = record_bytes(msg.content.array_records[FILES])
+    secure = is_secure(msg.content)
+    if secure:  # SecAgg+'s stage 2: the request rides in FitIns, the displacement goes back masked
+        r, files = secure_request(msg.content)
+    else:
+        r, files = msg.content.config_records[ROUND], record_bytes(msg.content.array_records[FILES])
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
     digest, elsewhere = edge.cloud_digest(r, cfg.profile), edge.other_profiles(r, cfg.profile)
-    packet, summary = edge.train_pending(
-        cfg, str(r["client_id"]), digest, int(r["round"]), bytes(r["manifest"]), files, elsewhere
+    packet, summary, delta = edge.train_pending(
+        cfg, str(r["client_id"]), digest, int(r["round"]), bytes(r["manifest"]), files, elsewhere, summed_round(r)
     )
     s = summary
     log(
@@ -43,6 +47,8 @@ def train(msg: Message, context: Context) -> Message:
         f"CIDERS round {s['round']}: {len(files)} bundle files received; loss {s['loss_first']:.4f} -> "
         f"{s['loss_last']:.4f} in {s['steps']} steps; Δc packet {len(packet):,} bytes",
     )
+    if secure:
+        return Message(secure_reply(delta, summary), reply_to=msg)
     content = RecordDict(
         {PACKET: bytes_record({"packet": packet}), SUMMARY: ConfigRecord({"json": json.dumps(summary)})}
     )

@@ -61,14 +61,21 @@ class EdgeConfig:
 
 
 def settle(
-    state_dir: Path, client_id: str, cloud_digest: str, cloud_round: int, elsewhere: Mapping[str, str] | None = None
+    state_dir: Path,
+    client_id: str,
+    cloud_digest: str,
+    cloud_round: int,
+    elsewhere: Mapping[str, str] | None = None,
+    summed_round: int | None = None,
 ) -> ClientState | None:
     """Make the committed state the one the cloud's copy of c_i says it is; return it.
 
     A pending round is committed when the cloud's c_i equals its c_i, and dropped once the cloud
     is past that round without it; a late (stale) message of the same round leaves it pending.
     ``elsewhere`` is the cloud's digest under each other profile's names: a state that matches
-    one of them was trained as that profile, which a mismatch then says."""
+    one of them was trained as that profile, which a mismatch then says. Under secure aggregation
+    the cloud holds no c_i: ``summed_round``, the last round whose secure sum held this client's
+    displacement, commits the pending round instead, and the edge's c_i is the only copy."""
     committed = ClientState.load(state_dir)
     if committed is not None and committed.client_id != client_id:
         raise StateError(
@@ -76,11 +83,17 @@ def settle(
             f"but the cloud knows this node as {client_id!r}"
         )
     pending = ClientState.load(state_dir / PENDING)
-    if pending is not None and cloud_round > pending.round and consensus_digest(pending.c_i) == cloud_digest:
-        pending.save(state_dir)  # the cloud aggregated our last packet: commit it
-        committed, pending = pending, None
+    if pending is not None and cloud_round > pending.round:
+        used = (
+            pending.round == summed_round if summed_round is not None else consensus_digest(pending.c_i) == cloud_digest
+        )
+        if used:
+            pending.save(state_dir)  # the cloud aggregated our last round: commit it
+            committed, pending = pending, None
     if pending is None or cloud_round > pending.round:
         shutil.rmtree(state_dir / PENDING, ignore_errors=True)
+    if summed_round is not None:  # secure rounds: the cloud has no copy to compare with
+        return committed
     mine = consensus_digest(committed.c_i if committed else None)
     was = [p for p, d in (elsewhere or {}).items() if d == mine and mine]
     if mine != cloud_digest and was:
@@ -115,9 +128,16 @@ def other_profiles(request: Mapping, profile: str) -> dict[str, str]:
     return {p: str(d) for p, d in json.loads(str(request["c_i_digests"])).items() if p != profile}
 
 
-def sync(cfg: EdgeConfig, client_id: str, cloud_digest: str, cloud_round: int, elsewhere: Mapping[str, str]) -> dict:
+def sync(
+    cfg: EdgeConfig,
+    client_id: str,
+    cloud_digest: str,
+    cloud_round: int,
+    elsewhere: Mapping[str, str],
+    summed_round: int | None = None,
+) -> dict:
     """Answer a round's opening: settle the last round, say which profile and bundle files we hold."""
-    settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere)
+    settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere, summed_round)
     return {"profile": cfg.profile, "held": held_files(cfg.state / BUNDLE)}
 
 
@@ -129,16 +149,18 @@ def train_pending(
     manifest: bytes,
     files: dict[str, bytes],
     elsewhere: Mapping[str, str],
-) -> tuple[bytes, dict]:
+    summed_round: int | None = None,
+) -> tuple[bytes, dict, dict]:
     """One round: rebuild and verify the bundle, train (``ciders-edge train``'s code), keep the new
-    state pending; returns the packet and the training summary."""
+    state pending; returns the packet, the training summary and the displacement the cloud would
+    reconstruct from the packet (what a secure round sums instead)."""
     from ciders_edge.formats.packet import read_key_file
     from ciders_edge.training.round import RoundOptions, train_round  # transformers: only when training
 
-    state = settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere)
+    state = settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere, summed_round)
     bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
     key = read_key_file(cfg.key) if cfg.key is not None else None
     out = train_round(bundle, cfg.data, state, RoundOptions(client_id, cfg.profile, cfg.codec, key))
     out.state.save(cfg.state / PENDING)
     append_jsonl(cfg.state / METRICS_LOG, [{"round": bundle.round, **s} for s in out.result.steps])
-    return out.packet_bytes, out.summary
+    return out.packet_bytes, out.summary, out.delta_sent

@@ -8,7 +8,9 @@ A round is two exchanges per edge:
 2. ``train``: the cloud sends the round's bundle manifest and only the files the edge lacks; the
    edge rebuilds the bundle, verifies every checksum, trains, and answers with its Δc packet.
 
-Files and packets ride as Flower ``Array`` objects of raw bytes, which Flower streams in chunks.
+Files and packets ride as Flower ``Array`` objects of raw bytes, which Flower streams in chunks. A secure
+round (``serve --secure-aggregation``) replaces the train exchange by Flower's SecAgg+ stages
+(:mod:`.secure`); its sync says ``summed_round`` instead of a c_i digest.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "consensus_digest",
     "bytes_record",
     "record_bytes",
+    "summed_round",
 ]
 
 SYNC = "ciders.sync"  # ConfigRecord, both ways
@@ -43,3 +46,9 @@ def bytes_record(items: dict[str, bytes]) -> ArrayRecord:
 
 def record_bytes(record: ArrayRecord) -> dict[str, bytes]:
     return {k: bytes(a.data) for k, a in record.items()}
+
+
+def summed_round(request) -> int | None:
+    """A secure round's ``summed_round`` (the last round whose secure sum held this client; -1: none), or
+    ``None`` for a plain round, whose cloud holds c_i."""
+    return int(request["summed_round"]) if "summed_round" in request else None

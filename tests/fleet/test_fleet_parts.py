@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.fleet.certs import make_certs
 from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report
-from ciders_cloud.fleet.serve import _wait_for_earlier
+from ciders_cloud.fleet.serve import ServeSettings, _wait_for_earlier, check_aggregation
 from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.server_state import ServerState
 from ciders_edge.cli import app as edge_cli
 from ciders_edge.errors import BundleError, ConfigError, PacketError, StateError
 from ciders_edge.fleet.bundle_sync import files_to_ship, held_files, install_bundle
@@ -388,3 +389,65 @@ def test_a_restarted_serve_waits_for_the_crashed_ones_flower_processes(tmp_path)
         leftover.kill()
         leftover.wait()
     _wait_for_earlier(home, 0.0)
+
+
+# -- secure aggregation: what serve refuses -----------------------------------------------------
+
+
+def test_serve_refuses_secure_aggregation_it_cannot_do_in_one_line(run0, tmp_path):
+    shutil.copytree(run0 / "run", tmp_path / "run")
+    serve = ["serve", "--run", str(tmp_path / "run"), "--rounds", "2"]
+    for args, message in [
+        (["--secure-aggregation", "--min-clients", "2"], "--secure-aggregation cannot serve --min-clients 3 at least"),
+        (["--secure-aggregation", "--min-clients", "3"], "2 edge keys; --secure-aggregation needs at least 3 edges"),
+    ]:
+        r = runner.invoke(cloud, [*serve, *args])
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.exit_code == 1 and len(lines) == 1 and message in lines[0], r.output
+    folder = RunFolder(tmp_path / "run")
+    state = ServerState.load(folder.server_state)
+    state.summed = {"a": 0}
+    state.save(folder.server_state)
+    r = runner.invoke(cloud, [*serve, "--min-clients", "2"])
+    assert r.exit_code == 1 and "rounds were securely aggregated" in r.stderr and "--secure-aggregation" in r.stderr
+    assert not (tmp_path / "run" / "fleet").exists()
+
+
+SECURE = dict(min_clients=3, secure_aggregation=True)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"algorithm": "fednest"}, "cannot serve fednest"),
+        ({"algorithm": "localot"}, "cannot serve localot"),
+        ({"client_ids": ["a", "b", "c"], "dp": {"clip": 1.0, "noise_multiplier": 1.0}}, "--dp-clip-on edge"),
+        (
+            {"profiles": ["cpu-laptop", "rpi5-8gb"], "profile_splits": {"rpi5-8gb": {"messenger_depth": 1}}},
+            "different messenger layers",
+        ),
+    ],
+)
+def test_secure_aggregation_refuses_a_run_it_cannot_sum(demo_dir, tmp_path, overrides, message):
+    run = fast_run_config(demo_dir, **overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        check_aggregation(run, ServerState(0, {}, {}, {}), ServeSettings(tmp_path, 1, **SECURE))
+    assert "\n" not in str(err.value)
+    plain = ServerState(1, {}, {}, {}, clients={"a": {}})  # the cloud holds c_i copies from plain rounds
+    with pytest.raises(ConfigError, match="aggregated in the clear"):
+        check_aggregation(fast_run_config(demo_dir), plain, ServeSettings(tmp_path, 1, **SECURE))
+
+
+def test_a_secure_round_commits_the_pending_state_its_sum_held_and_drops_one_it_did_not(run0, tmp_path):
+    """The cloud holds no c_i to compare with: the round the secure sum held this client decides."""
+    for summed, kept in ((0, True), (-1, False)):
+        root = tmp_path / f"summed{summed}"
+        root.mkdir()
+        shutil.copytree(run0 / "state-a", root / PENDING)  # round 0 trained, not yet confirmed
+        state = settle(root, "a", "", 1, summed_round=summed)  # no digest: the cloud has none
+        assert not (root / PENDING).exists()
+        assert (state is not None) is kept and (ClientState.load(root) is not None) is kept
+        if kept:
+            assert state.round == 0 and consensus_digest(state.c_i) == consensus_digest(
+                ClientState.load(run0 / "state-a").c_i
+            )
