@@ -230,7 +230,8 @@ def _privacy_line(p: dict) -> str:
     """Prepare's DP settings and what the planned rounds will spend."""
     line = (
         f"clip {p['clip']:g}, noise multiplier {p['noise_multiplier']:.4g} "
-        f"({p['sampling']} sampling, q {p['participation']:g} of {p['population']} clients)"
+        f"({p['sampling']} sampling, q {p['participation']:g} of {p['population']} clients, each weighing 1/D, "
+        f"D = {p['denominator']:g})"
     )
     if planned := p["planned"]:
         line += "; " + epsilon_text(planned)

@@ -100,7 +100,7 @@ def run_round(grid: Grid, context: Context, co: Coordinator, s: ServeSettings, p
     train = secure_train if s.secure_aggregation else plain_train
     summary = train(grid, context, co, s, requests, records)
     for r in records.values():
-        if "status" in r:
+        if r.get("status", "aggregated") != "aggregated":
             log(WARNING, "round %d: %s left out: %s", t, r["client"], r["status"])
     if summary is None:
         co.log(list(records.values()))

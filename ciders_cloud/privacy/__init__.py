@@ -2,7 +2,7 @@
 settings, the Gaussian mechanism on eq. (12)'s mean, and the privacy accountant."""
 
 from ciders_cloud.privacy.accountant import PrivacySpent, privacy_spent, solve_noise_multiplier
-from ciders_cloud.privacy.mechanism import private_mean
+from ciders_cloud.privacy.mechanism import GaussianMechanism
 from ciders_cloud.privacy.release import PrivateRelease
 from ciders_cloud.privacy.settings import CLIP_SITES, SAMPLINGS, PrivacySettings
 
@@ -13,6 +13,6 @@ __all__ = [
     "PrivacySpent",
     "privacy_spent",
     "solve_noise_multiplier",
-    "private_mean",
+    "GaussianMechanism",
     "PrivateRelease",
 ]

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ciders_edge.tensors import Tensors, norm
 from ciders_edge.training.equations import clip_displacement
 
-__all__ = ["private_mean", "gaussian_mechanism", "fresh_generator"]
+__all__ = ["GaussianMechanism", "fresh_generator"]
 
 
 def fresh_generator() -> torch.Generator:
@@ -26,39 +27,31 @@ def fresh_generator() -> torch.Generator:
     return torch.Generator().manual_seed(secrets.randbits(63))
 
 
-def private_mean(
-    deltas: Sequence[Tensors],
-    like: Tensors,
-    clip: float,
-    noise_multiplier: float,
-    denominator: float,
-    generator: torch.Generator | None = None,
-) -> tuple[Tensors, dict]:
-    """The noisy mean of the clipped displacements over the tensors of ``like`` (v), and what to report of it:
-    how many were clipped, their norms before clipping, and the noise's std on the mean."""
-    norms = [norm(d) for d in deltas]
-    clipped = [clip_displacement(d, clip) for d in deltas]
-    total = {
-        k: sum((d[k].double() for d in clipped), torch.zeros(t.shape, dtype=torch.float64)) for k, t in like.items()
-    }
-    mean, report = gaussian_mechanism(total, like, clip, noise_multiplier, denominator, generator)
-    return mean, {"clipped": sum(n > clip for n in norms), "norms_before_clip": norms, **report}
+@dataclass(frozen=True)
+class GaussianMechanism:
+    """Clip to ``clip`` (C), sum, add N(0, (z C)^2 I), divide by ``denominator`` (D)."""
 
+    clip: float
+    noise_multiplier: float  # z
+    denominator: float
 
-def gaussian_mechanism(
-    total: Tensors,
-    like: Tensors,
-    clip: float,
-    noise_multiplier: float,
-    denominator: float,
-    generator: torch.Generator | None = None,
-) -> tuple[Tensors, dict]:
-    """``(total + N(0, (z C)^2 I)) / D`` in ``like``'s dtypes: the release, from a sum of displacements each
-    already within C (clipped here, or on the edges when only their secure sum reaches the cloud)."""
-    generator = generator or fresh_generator()
-    std = noise_multiplier * clip
-    mean = {}
-    for k, t in like.items():
-        noise = torch.normal(0.0, std, t.shape, generator=generator, dtype=torch.float64) if std else 0.0
-        mean[k] = ((total[k].double() + noise) / denominator).to(t.dtype)
-    return mean, {"noise_std_of_mean": std / denominator}
+    def mean(self, deltas: Sequence[Tensors], like: Tensors, generator: torch.Generator | None = None):
+        """The noisy mean of the clipped displacements over the tensors of ``like`` (v), and what to report of
+        it: how many were clipped, their norms before clipping, and the noise's std on the mean."""
+        norms = [norm(d) for d in deltas]
+        clipped = [clip_displacement(d, self.clip) for d in deltas]
+        zero = {k: torch.zeros(t.shape, dtype=torch.float64) for k, t in like.items()}
+        total = {k: sum((d[k].double() for d in clipped), zero[k]) for k in like}
+        mean, report = self.release(total, like, generator)
+        return mean, {"clipped": sum(n > self.clip for n in norms), "norms_before_clip": norms, **report}
+
+    def release(self, total: Tensors, like: Tensors, generator: torch.Generator | None = None):
+        """``(total + N(0, (z C)^2 I)) / D`` in ``like``'s dtypes, from a sum of displacements each already
+        within C (clipped by :meth:`mean`, or on the edges when only their secure sum reaches the cloud)."""
+        generator = generator or fresh_generator()
+        std = self.noise_multiplier * self.clip
+        out = {}
+        for k, t in like.items():
+            noise = torch.normal(0.0, std, t.shape, generator=generator, dtype=torch.float64) if std else 0.0
+            out[k] = ((total[k].double() + noise) / self.denominator).to(t.dtype)
+        return out, {"noise_std_of_mean": std / self.denominator}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ciders_cloud.privacy.accountant import PrivacySpent, privacy_spent, sampled_count
-from ciders_cloud.privacy.mechanism import gaussian_mechanism, private_mean
+from ciders_cloud.privacy.mechanism import GaussianMechanism
 from ciders_cloud.privacy.settings import PrivacySettings
 from ciders_edge.errors import PacketError
 from ciders_edge.tensors import Tensors
@@ -60,11 +60,15 @@ class PrivateRelease:
             )
         return after
 
+    @property
+    def mechanism(self) -> GaussianMechanism:
+        return GaussianMechanism(self.dp.clip, self.dp.noise_multiplier or 0.0, self.denominator)
+
     def mean(self, deltas: Sequence[Tensors], like: Tensors) -> tuple[Tensors, dict]:
         """Eq. (12)'s mean as the Gaussian mechanism releases it: clipped at the cloud (idempotent on what an
         edge already clipped, up to its codec's rounding), summed, noised, divided by D."""
-        return private_mean(deltas, like, self.dp.clip, self.dp.noise_multiplier or 0.0, self.denominator)
+        return self.mechanism.mean(deltas, like)
 
     def noised(self, total: Tensors, like: Tensors) -> tuple[Tensors, dict]:
         """The release from the secure sum of displacements each edge clipped to C (``clip_on = "edge"``)."""
-        return gaussian_mechanism(total, like, self.dp.clip, self.dp.noise_multiplier or 0.0, self.denominator)
+        return self.mechanism.release(total, like)

@@ -69,12 +69,7 @@ def aggregate_packets(
     the state stays on the CPU.
     """
     device = cloud_device(device)
-    run, state = load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state)
-    if state.summed:
-        raise StateError(
-            f"{run_dir}: this run's rounds are securely aggregated, so the cloud holds no c_i to reconstruct a Δc "
-            "packet with; go on with `ciders-cloud serve --secure-aggregation`"
-        )
+    run, state = _open(run_dir, secure=False)
     received = read_packets(run_dir, items)
     digests = sorted(r.digest for r in received)
     if state.last_round_digests and digests == state.last_round_digests and state.round > 0:
@@ -124,12 +119,7 @@ def aggregate_secure(run_dir: Path, mean: Tensors, clients: list[str], device: s
     round on it). Under DP each edge clipped its own displacement (``dp.clip_on = "edge"``) and the noise
     goes on their sum here."""
     device = cloud_device(device)
-    run, state = load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state)
-    if state.clients:
-        raise StateError(
-            f"{run_dir}: this run's earlier rounds were aggregated in the clear, and the cloud's copies of c_i "
-            "would go stale under secure aggregation; serve it without --secure-aggregation"
-        )
+    run, state = _open(run_dir, secure=True)
     release = PrivateRelease.of(run)
     spent = release.check_budget(state.round) if release else None
     if not clients and not release:
@@ -147,6 +137,23 @@ def aggregate_secure(run_dir: Path, mean: Tensors, clients: list[str], device: s
     closing = {"dropped": {}, **({"privacy": privacy} if privacy is not None else {})}
     new = replace(state, summed={**state.summed, **dict.fromkeys(clients, state.round)}, last_round_digests=[])
     return _commit(run_dir, run, state, new, hp, backbones, mean, round_, closing)
+
+
+def _open(run_dir: Path, secure: bool) -> tuple[RunConfig, ServerState]:
+    """The run and its state, refused when its rounds so far were of the other kind: a run stays plain (the
+    cloud's c_i copies reconstruct each packet) or secure (the cloud holds no c_i)."""
+    run, state = load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state)
+    if secure and state.clients:
+        raise StateError(
+            f"{run_dir}: this run's earlier rounds were aggregated in the clear, and the cloud's copies of c_i "
+            "would go stale under secure aggregation; serve it without --secure-aggregation"
+        )
+    if not secure and state.summed:
+        raise StateError(
+            f"{run_dir}: this run's rounds are securely aggregated, so the cloud holds no c_i to reconstruct a Δc "
+            "packet with; go on with `ciders-cloud serve --secure-aggregation`"
+        )
+    return run, state
 
 
 def _commit(

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from ciders_cloud import prepare
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.privacy import PrivacySettings, PrivateRelease, private_mean, solve_noise_multiplier
+from ciders_cloud.privacy import GaussianMechanism, PrivacySettings, PrivateRelease, solve_noise_multiplier
 from ciders_cloud.privacy.accountant import epsilon
 from ciders_cloud.round.aggregate import aggregate_files, aggregate_packets
 from ciders_cloud.round.sampling import sample_clients
@@ -45,9 +45,9 @@ def test_a_displacement_of_ten_c_enters_with_norm_c_and_one_of_half_c_unchanged(
     assert norm(clip_displacement(big, c)) == pytest.approx(c, rel=1e-12)
     assert all(torch.equal(clip_displacement(small, c)[k], small[k]) for k in small)
     like = {k: torch.zeros_like(t) for k, t in big.items()}
-    mean, report = private_mean([big], like, c, 0.0, 1.0)  # no noise, D = 1: the mean is the clipped one
+    mean, report = GaussianMechanism(c, 0.0, 1.0).mean([big], like)  # no noise, D = 1: the mean is the clipped one
     assert norm(mean) == pytest.approx(c, rel=1e-12) and report["clipped"] == 1
-    mean, report = private_mean([small], like, c, 0.0, 1.0)
+    mean, report = GaussianMechanism(c, 0.0, 1.0).mean([small], like)
     assert norm(mean) == pytest.approx(c / 2, rel=1e-12) and report["clipped"] == 0
     direction = {k: big[k] / norm(big) for k in big}  # clipping scales; it never turns
     assert all(torch.allclose(clip_displacement(big, c)[k], c * direction[k]) for k in big)
@@ -59,8 +59,9 @@ def test_the_noise_on_the_mean_has_std_z_c_over_d_and_no_two_rounds_share_it():
     like = {k: torch.zeros(shape, dtype=torch.float64) for k, shape in shapes.items()}
     deltas = [delta_of_norm(0.2, shapes) for _ in range(3)]
     exact = {k: sum(x[k] for x in deltas) / d for k in like}  # every norm is under C: nothing clipped
-    first, report = private_mean(deltas, like, c, z, d)
-    second, _ = private_mean(deltas, like, c, z, d)
+    mechanism = GaussianMechanism(c, z, d)
+    first, report = mechanism.mean(deltas, like)
+    second, _ = mechanism.mean(deltas, like)
     noise = torch.cat([(first[k] - exact[k]).reshape(-1) for k in like])
     assert float(noise.std()) == pytest.approx(z * c / d, rel=0.03)
     assert float(noise.mean()) == pytest.approx(0.0, abs=3 * z * c / d / math.sqrt(noise.numel()))
