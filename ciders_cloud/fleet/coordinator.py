@@ -80,6 +80,9 @@ class Coordinator:
         self._bytes: dict[tuple[str, str], bytes] = {}  # their files, read once for every edge
         self._layers: dict[str, ProfileLayers] | None = None
         self._rng = random.SystemRandom()  # who is sampled is not to be foretold from the run's files
+        self.sampled: list[str] | None = (
+            None  # this round's draw (sample), which the aggregation checks packets against
+        )
 
     @property
     def round(self) -> int:
@@ -102,6 +105,7 @@ class Coordinator:
         at participation 1), and the sampled clients that are not online (they drop out of the round)."""
         population = self.run.client_ids or sorted(self.keys.values())
         chosen = sample_clients(population, self.run.participation, self.run.sampling, self._rng, self.private)
+        self.sampled = chosen
         here = {e.client_id for e in online}
         return [e for e in online if e.client_id in chosen], [cid for cid in chosen if cid not in here]
 
@@ -166,14 +170,14 @@ class Coordinator:
             (f"round {self.round} reply of {e.client_id}", packets[e])
             for e in sorted(packets, key=lambda e: e.client_id)
         ]
-        summary = aggregate_packets(self.run_dir, items, drop_outliers=True)
+        summary = aggregate_packets(self.run_dir, items, drop_outliers=True, sampled=self.sampled)
         self.state = ServerState.load(self.folder.server_state)
         self._bundles, self._bytes = {}, {}
         return summary
 
     def close_secure_round(self, mean: Tensors, edges: list[Edge]) -> dict:
         """Eq. (12)-(13) from the secure mean of ``edges``' displacements, and on to the next round."""
-        summary = aggregate_secure(self.run_dir, mean, sorted(e.client_id for e in edges))
+        summary = aggregate_secure(self.run_dir, mean, sorted(e.client_id for e in edges), sampled=self.sampled)
         self.state = ServerState.load(self.folder.server_state)
         self._bundles, self._bytes = {}, {}
         return summary

@@ -4,12 +4,15 @@ displacements, and the cloud learns their mean, never one edge's (docs/privacy.m
 Flower ships SecAgg+ as a workflow of its legacy strategy API; :class:`_Round` is the two calls it makes
 of a strategy (who trains on what; the unmasked result), so Flower's protocol runs unchanged: Shamir
 shares of each edge's keys, pairwise masks, and the unmasking that removes a dropped edge's masks as long
-as ``THRESHOLD`` of its neighbours' shares come back. Edges weigh 1 each: the mean is uniform.
+as ``THRESHOLD`` of the sampled edges' shares (and at least ``MIN_EDGES``) come back. Edges weigh 1 each: the
+mean is uniform. The cloud is trusted to follow the protocol (honest but curious): Flower's SecAgg+ has no
+consistency round, so a ServerApp that told an edge's neighbours different dropout lists could unmask that edge.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +31,7 @@ from ciders_edge.tensors import Tensors
 __all__ = ["SecureSum", "secure_sum", "fit_ins", "CountingGrid", "THRESHOLD", "MIN_EDGES", "CLIP_RANGE", "QUANTIZATION"]
 
 THRESHOLD = 0.5  # of the shares (every sampled edge holds one of every other's keys) needed to unmask
-MIN_EDGES = 3  # with two, each edge could subtract its own displacement from the sum
+MIN_EDGES = 3  # in a sum, and shares to unmask one: with two, each edge could subtract its own displacement
 CLIP_RANGE = 8.0  # each element of a displacement is clipped to [-R, R] before quantization (without DP; DP: C)
 QUANTIZATION = 1 << 22  # quantization levels over [-R, R] (Flower's default): the mean's error is at most 2R/Q
 
@@ -90,17 +93,20 @@ def secure_sum(
     """Run Flower's SecAgg+ over the edges of ``requests`` (node id -> train request) and return the mean of
     their displacements over ``like``'s tensors (v), in name order as the edges send them."""
     strategy = _Round(requests, sorted(like), like)
+    threshold = max(MIN_EDGES, math.ceil(THRESHOLD * len(requests)))  # so no sum of fewer than MIN_EDGES unmasks
     context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: round_})
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
     workflow = SecAggPlusWorkflow(
         num_shares=1.0,  # every sampled edge holds a share of every other's keys
-        reconstruction_threshold=THRESHOLD,
+        reconstruction_threshold=threshold,
         max_weight=1.0,  # every edge weighs 1
         clipping_range=clip_range,
         quantization_range=QUANTIZATION,
         timeout=timeout,
     )
     workflow(grid, LegacyContext(context, strategy=strategy))  # type: ignore[arg-type]
+    if len(strategy.result.summed) < MIN_EDGES:  # never release the mean of fewer
+        return SecureSum(None)
     return strategy.result
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from ciders_cloud.fleet.coordinator import node_keys
 from ciders_cloud.fleet.secure import MIN_EDGES
 from ciders_cloud.fleet.superlink import GRPC_SWITCHES, LOOPBACK
+from ciders_cloud.privacy import PrivateRelease
 from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import CertsFolder, RunFolder
 from ciders_cloud.run.server_state import ServerState
@@ -97,10 +98,13 @@ def check_aggregation(run: RunConfig, state: ServerState, opts: ServeSettings) -
                 "with --secure-aggregation"
             )
         return
-    why = None
     if opts.min_clients < MIN_EDGES:
-        why = f"--min-clients {MIN_EDGES} at least (with two edges, each could subtract its own displacement)"
-    elif state.clients:
+        raise ConfigError(
+            f"--secure-aggregation needs --min-clients {MIN_EDGES} or more, got {opts.min_clients} (with two edges, "
+            "each could subtract its own displacement from the sum)"
+        )
+    why = None
+    if state.clients:
         why = "a run whose earlier rounds were aggregated in the clear (the cloud holds c_i copies that would go stale)"
     elif run.is_mixed:
         why = "profiles that train different messenger layers (the edges' vectors would differ in shape)"
@@ -124,6 +128,8 @@ def serve(opts: ServeSettings) -> dict:
     run, state = load_run(run_dir), ServerState.load(folder.server_state)
     start = state.round
     check_aggregation(run, state, opts)
+    if (release := PrivateRelease.of(run)) is not None:  # before any edge trains a round the budget cannot pay
+        release.check_rounds(opts.rounds)
     keys = node_keys(run_dir)
     if opts.secure_aggregation and len(keys) < MIN_EDGES:
         raise ConfigError(

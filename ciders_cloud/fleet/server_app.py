@@ -160,8 +160,9 @@ def secure_train(grid, context, co: Coordinator, s: ServeSettings, requests: dic
     displacement; the cloud unmasks only their mean (``None``: the protocol stopped, too few edges left)."""
     if len(requests) < MIN_EDGES:  # a sum of fewer would tell an edge the others' displacements
         for e in requests:
-            records[e]["status"] = f"not summed: {len(requests)} edges answered, a secure sum needs {MIN_EDGES}"
-        return co.close_secure_round({k: t * 0 for k, t in co.state.messenger.items()}, []) if co.private else None
+            records[e].update(status=f"not summed: {len(requests)} edges answered, a secure sum needs {MIN_EDGES}")
+            records[e].update(bytes_down=0, files_down=[])  # nothing was sent
+        return co.close_secure_round(_zeros(co), []) if co.private else None
     by_node = {e.node_id: e for e in requests}
     fits = {e.node_id: fit_ins(config, files) for e, (config, files) in requests.items()}
     counted = CountingGrid(grid)
@@ -179,8 +180,12 @@ def secure_train(grid, context, co: Coordinator, s: ServeSettings, requests: dic
         records[e]["bytes_up"] = counted.received // max(1, len(requests))
     if result.mean is None and not co.private:
         return None
-    mean = result.mean if result.mean is not None else {k: t * 0 for k, t in co.state.messenger.items()}
-    return co.close_secure_round(mean, summed)
+    return co.close_secure_round(result.mean if result.mean is not None else _zeros(co), summed)
+
+
+def _zeros(co: Coordinator) -> dict:
+    """The mean of no displacement: what a private round that summed no edge releases its noise around."""
+    return {k: t * 0 for k, t in co.state.messenger.items()}
 
 
 def wait_for_edges(grid: Grid, co: Coordinator, s: ServeSettings, patient: bool) -> list[Edge]:

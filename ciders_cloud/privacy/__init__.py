@@ -3,7 +3,7 @@ settings, the Gaussian mechanism on eq. (12)'s mean, and the privacy accountant.
 
 from ciders_cloud.privacy.accountant import PrivacySpent, privacy_spent, solve_noise_multiplier
 from ciders_cloud.privacy.mechanism import GaussianMechanism
-from ciders_cloud.privacy.release import PrivateRelease
+from ciders_cloud.privacy.release import BudgetError, PrivateRelease
 from ciders_cloud.privacy.settings import CLIP_SITES, SAMPLINGS, PrivacySettings
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "solve_noise_multiplier",
     "GaussianMechanism",
     "PrivateRelease",
+    "BudgetError",
 ]

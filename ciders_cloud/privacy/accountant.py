@@ -20,9 +20,10 @@ import dp_accounting
 from dp_accounting import rdp
 
 from ciders_cloud.privacy.settings import PrivacySettings
+from ciders_cloud.round.sampling import sampled_count
 from ciders_edge.errors import ConfigError
 
-__all__ = ["PrivacySpent", "privacy_spent", "solve_noise_multiplier", "epsilon", "dp_event", "MAX_NOISE"]
+__all__ = ["PrivacySpent", "privacy_spent", "solve_noise_multiplier", "epsilon", "dp_event", "max_rounds", "MAX_NOISE"]
 
 MAX_NOISE = 100.0  # beyond z = 100 the noise drowns any displacement: a target needing more is unreachable
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting warns for every RDP order it drops
@@ -70,11 +71,6 @@ def epsilon(z: float, rounds: int, delta: float, sampling: str, q: float, popula
     return float(accountant.get_epsilon(delta))
 
 
-def sampled_count(q: float, population: int) -> int:
-    """Clients per round under ``fixed`` sampling (at least one): simulate's and the fleet's m."""
-    return max(1, round(q * population))
-
-
 def privacy_spent(dp: PrivacySettings, rounds: int, sampling: str, q: float, population: int) -> PrivacySpent:
     """Epsilon at the run's delta after ``rounds`` releases of its aggregate."""
     z = dp.noise_multiplier
@@ -108,3 +104,18 @@ def solve_noise_multiplier(dp: PrivacySettings, sampling: str, q: float, populat
         tol=1e-4,
     )
     return float(z)
+
+
+def max_rounds(
+    dp: PrivacySettings, sampling: str, q: float, population: int, budget: float, limit: int = 100_000
+) -> int:
+    """The most rounds whose releases spend at most ``budget`` (epsilon grows with the rounds: a bisection)."""
+    delta, z = dp.delta_for(population), dp.noise_multiplier or 0.0
+    low, high = 0, limit  # epsilon(low) <= budget; find the last such count
+    while low < high:
+        mid = (low + high + 1) // 2
+        if epsilon(z, mid, delta, sampling, q, population) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return low

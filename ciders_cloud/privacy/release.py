@@ -3,20 +3,23 @@ uniform weights, and the noisy mean that eq. (12) then takes (docs/privacy.md)."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ciders_cloud.privacy.accountant import PrivacySpent, privacy_spent, sampled_count
+from ciders_cloud.privacy.accountant import PrivacySpent, max_rounds, privacy_spent
 from ciders_cloud.privacy.mechanism import GaussianMechanism
 from ciders_cloud.privacy.settings import PrivacySettings
-from ciders_edge.errors import PacketError
-from ciders_edge.tensors import Tensors
+from ciders_cloud.round.sampling import sampled_count
+from ciders_edge.errors import CidersError, ConfigError, PacketError
 
 if TYPE_CHECKING:
     from ciders_cloud.run.config import RunConfig
 
-__all__ = ["PrivateRelease"]
+__all__ = ["PrivateRelease", "BudgetError"]
+
+
+class BudgetError(CidersError, ValueError):
+    """A round would spend more privacy than the run's budget."""
 
 
 @dataclass(frozen=True)
@@ -54,21 +57,38 @@ class PrivateRelease:
         after = self.spent(round_ + 1)
         budget = self.dp.budget
         if budget is not None and after.epsilon > budget:
-            raise PacketError(
+            raise BudgetError(
                 f"round {round_} would spend epsilon {after.epsilon:.3f} at delta {after.delta:.3g}, over the run's "
                 f"budget {budget:g} (`dp.max_epsilon`); the run has released all it may; nothing was written"
             )
         return after
 
+    def check_rounds(self, rounds: int, flag: str = "--rounds") -> None:
+        """Refuse, before any training, a total of ``rounds`` that the budget does not allow."""
+        budget = self.dp.budget
+        if budget is None or self.spent(rounds).epsilon <= budget:
+            return
+        allowed = max_rounds(self.dp, self.sampling, self.participation, self.population, budget, rounds)
+        raise BudgetError(
+            f"{flag} {rounds}: the run's privacy budget epsilon {budget:g} allows {allowed} rounds "
+            f"(epsilon {self.spent(allowed).epsilon:.3f} after them)"
+        )
+
+    def check_sample(self, sampled: list[str] | None, clients: list[str], round_: int) -> None:
+        """The accountant credits sampling: a round with q < 1 takes only the clients its draw named
+        (simulate's and serve's), so a round aggregated by hand cannot claim an amplification it did not earn."""
+        if self.participation >= 1.0:
+            return
+        if sampled is None:
+            raise ConfigError(
+                f"round {round_}: this private run samples q = {self.participation:g} of its clients a round, and its "
+                "epsilon counts on that draw; run its rounds with `simulate` or `serve`, which draw it"
+            )
+        if strays := sorted(set(clients) - set(sampled)):
+            raise PacketError(f"round {round_}: client {strays[0]!r} was not sampled this round; nothing was written")
+
     @property
     def mechanism(self) -> GaussianMechanism:
+        """Eq. (12)'s mean as the Gaussian mechanism releases it: clipped at the cloud (idempotent on what an edge
+        already clipped), summed, noised, divided by D; or noised from the secure sum of what the edges clipped."""
         return GaussianMechanism(self.dp.clip, self.dp.noise_multiplier or 0.0, self.denominator)
-
-    def mean(self, deltas: Sequence[Tensors], like: Tensors) -> tuple[Tensors, dict]:
-        """Eq. (12)'s mean as the Gaussian mechanism releases it: clipped at the cloud (idempotent on what an
-        edge already clipped, up to its codec's rounding), summed, noised, divided by D."""
-        return self.mechanism.mean(deltas, like)
-
-    def noised(self, total: Tensors, like: Tensors) -> tuple[Tensors, dict]:
-        """The release from the secure sum of displacements each edge clipped to C (``clip_on = "edge"``)."""
-        return self.mechanism.release(total, like)

@@ -44,9 +44,14 @@ def _check_finite(tensors: Tensors, what: str) -> None:
         raise PacketError(f"{what}: tensor {name} is not finite; nothing was written")
 
 
-def aggregate_files(run_dir: str | Path, packet_paths: list[str | Path], device: str | torch.device = "cpu") -> dict:
+def aggregate_files(
+    run_dir: str | Path,
+    packet_paths: list[str | Path],
+    device: str | torch.device = "cpu",
+    sampled: list[str] | None = None,
+) -> dict:
     """The CLI's body: read packet files and run :func:`aggregate_packets` (its TAKD, fidelity and
-    hypergradient on ``device``)."""
+    hypergradient on ``device``; ``sampled``: the round's drawn clients, when it drew some)."""
     device = cloud_device(device)
     items = []
     for path in packet_paths:
@@ -54,11 +59,15 @@ def aggregate_files(run_dir: str | Path, packet_paths: list[str | Path], device:
         if not path.is_file():
             raise PacketError(f"{path}: no such packet file")
         items.append((str(path), path.read_bytes()))
-    return aggregate_packets(Path(run_dir), items, device=device)
+    return aggregate_packets(Path(run_dir), items, device=device, sampled=sampled)
 
 
 def aggregate_packets(
-    run_dir: Path, items: list[tuple[str, bytes]], drop_outliers: bool = False, device: str | torch.device = "cpu"
+    run_dir: Path,
+    items: list[tuple[str, bytes]],
+    drop_outliers: bool = False,
+    device: str | torch.device = "cpu",
+    sampled: list[str] | None = None,
 ) -> dict:
     """Eq. (11)–(13) for one round; returns a summary of what happened.
 
@@ -66,7 +75,8 @@ def aggregate_packets(
     ``drop_outliers`` (the fleet, where one bad edge must not stop the others) it is left out with its
     reason in the summary's ``dropped``, and its client's c_i stays as it was. TAKD, fidelity and the
     strategy's own work (LFedNest's Hessian products) run on ``device`` (``auto``, ``cpu``, ``cuda``);
-    the state stays on the CPU.
+    the state stays on the CPU. ``sampled`` names the clients the round drew (simulate's and the fleet's);
+    a private run that samples needs it, and refuses a packet from a client outside it.
     """
     device = cloud_device(device)
     run, state = _open(run_dir, secure=False)
@@ -77,6 +87,8 @@ def aggregate_packets(
     release = PrivateRelease.of(run)
     spent = release.check_budget(state.round) if release else None  # before any packet is read
     hp = check_round(run_dir, run, state, received)
+    if release:
+        release.check_sample(sampled, [r.header.client_id for r in received], state.round)
     if not received and not release:  # a private round releases noise even when it sampled no one
         raise PacketError("no packets given; a round needs at least one")
     strategy = strategy_for(run)
@@ -96,7 +108,7 @@ def aggregate_packets(
     cloud = CloudRound(run, state, hp, backbones)
     deltas, bilevel = strategy.adjust_displacements(deltas, [r.packet.tensors for r in received], weights, cloud)
     if release:  # the Gaussian mechanism on the clipped displacements' sum
-        mean, privacy = release.mean(deltas, state.messenger)
+        mean, privacy = release.mechanism.mean(deltas, state.messenger)
         privacy = {**privacy, **spent.to_dict()}
     else:
         mean, privacy = layer_means(deltas, weights, state.messenger), None
@@ -111,7 +123,13 @@ def aggregate_packets(
     return _commit(run_dir, run, state, new, hp, backbones, mean, round_, closing)
 
 
-def aggregate_secure(run_dir: Path, mean: Tensors, clients: list[str], device: str | torch.device = "cpu") -> dict:
+def aggregate_secure(
+    run_dir: Path,
+    mean: Tensors,
+    clients: list[str],
+    device: str | torch.device = "cpu",
+    sampled: list[str] | None = None,
+) -> dict:
     """A secure round (``serve --secure-aggregation``): eq. (12)–(13) from the mean of the displacements of
     ``clients``, which Flower's SecAgg+ summed without the cloud seeing one of them (docs/privacy.md).
 
@@ -122,6 +140,8 @@ def aggregate_secure(run_dir: Path, mean: Tensors, clients: list[str], device: s
     run, state = _open(run_dir, secure=True)
     release = PrivateRelease.of(run)
     spent = release.check_budget(state.round) if release else None
+    if release:
+        release.check_sample(sampled, clients, state.round)
     if not clients and not release:
         raise PacketError(f"round {state.round}: the secure sum holds no client")
     if (name := non_finite(mean)) is not None:
@@ -129,7 +149,7 @@ def aggregate_secure(run_dir: Path, mean: Tensors, clients: list[str], device: s
     hp = round_hyperparams_for(run, state.round)
     privacy = None
     if release:  # each edge clipped to C; the sum is the survivors' mean times their count
-        mean, privacy = release.noised({k: t * len(clients) for k, t in mean.items()}, state.messenger)
+        mean, privacy = release.mechanism.release({k: t * len(clients) for k, t in mean.items()}, state.messenger)
         privacy = {**privacy, **spent.to_dict()}
     backbones = load_cloud_models(run_dir, run, state, device)
     weights = release.weights(len(clients)) if release else [1.0 / len(clients)] * len(clients)

@@ -11,9 +11,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ciders_cloud.privacy.accountant import sampled_count
+__all__ = ["sample_clients", "sampled_count"]
 
-__all__ = ["sample_clients"]
+
+def sampled_count(q: float, population: int) -> int:
+    """Clients per round under ``fixed`` sampling (at least one): simulate's and the fleet's m."""
+    return max(1, round(q * population))
 
 
 def sample_clients(

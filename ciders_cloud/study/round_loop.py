@@ -62,7 +62,7 @@ def run_rounds(
                 ),
             )
             packets.append(packet)
-        agg = aggregate_files(run.root, packets, device)
+        agg = aggregate_files(run.root, packets, device, sampled=participants)
         hp = round_hyperparams_for(load_run(run.root), t)
         deltas = {cid: profiles.to_v_names(cid, o.delta_sent) for cid, o in outputs.items()}
         directions = {cid: profiles.to_v_names(cid, o.result.first_direction) for cid, o in outputs.items()}

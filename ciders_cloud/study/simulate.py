@@ -21,6 +21,7 @@ import torch
 
 from ciders_cloud.models.device import cloud_device
 from ciders_cloud.prepare import prepare
+from ciders_cloud.privacy import PrivateRelease
 from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.run.splits import fleet_split
@@ -83,7 +84,10 @@ def _build_study(cfg: SimConfig, study: StudyFolder, device: torch.device) -> tu
     write_json(study.config, cfg.to_dict())
     ids = client_ids(cfg.clients)
     domains = _materialize_data(cfg, study, ids)
-    prepare(_run_config(cfg, ids, study), study.run.root, device)
+    run = _run_config(cfg, ids, study)
+    if (release := PrivateRelease.of(run)) is not None:  # before the model loads: the budget must last the rounds
+        release.check_rounds(cfg.rounds)
+    prepare(run, study.run.root, device)
     return ids, domains
 
 

@@ -47,8 +47,9 @@ def train(msg: Message, context: Context) -> Message:
         f"CIDERS round {s['round']}: {len(files)} bundle files received; loss {s['loss_first']:.4f} -> "
         f"{s['loss_last']:.4f} in {s['steps']} steps; Δc packet {len(packet):,} bytes",
     )
-    if secure:
-        return Message(secure_reply(delta, summary), reply_to=msg)
+    if secure:  # in the clear beside the masked vector: only the losses, not the norms or |D_i|
+        clear = {k: summary[k] for k in ("round", "steps", "loss_first", "loss_last")}
+        return Message(secure_reply(delta, clear), reply_to=msg)
     content = RecordDict(
         {PACKET: bytes_record({"packet": packet}), SUMMARY: ConfigRecord({"json": json.dumps(summary)})}
     )

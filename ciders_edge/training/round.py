@@ -25,7 +25,7 @@ from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.profiles import DeviceProfile, load_profile, pick_device
 from ciders_edge.tensors import Tensors, add, non_finite, norm
 from ciders_edge.training.bilevel import client_gradients
-from ciders_edge.training.equations import reconstruct_displacement
+from ciders_edge.training.equations import clip_displacement, reconstruct_displacement
 from ciders_edge.training.local_steps import LocalResult, local_update
 from ciders_edge.training.objective import MessengerObjective
 
@@ -60,7 +60,7 @@ class RoundOutput:
     packet_bytes: bytes
     state: ClientState  # advanced by the decoded increment
     result: LocalResult
-    delta_sent: dict  # the displacement the cloud reconstructs from the decoded packet (eq. 11)
+    delta_sent: dict  # the displacement the cloud aggregates: eq. (11) of the decoded packet (clipped when edges clip)
     summary: dict = field(default_factory=dict)  # what ``ciders-edge train --json`` prints
 
 
@@ -151,6 +151,10 @@ def local_round(
         run_id=bundle.manifest.get("run_id", ""),
     )
     delta_sent = reconstruct_displacement(dc, state.c_i, c, hp.alpha, hp.gamma)
+    if (
+        hp.displacement_clip is not None
+    ):  # as the cloud clips it: a lossy codec's rounding, divided by alpha, can exceed C
+        delta_sent = clip_displacement(delta_sent, hp.displacement_clip)
     return RoundOutput(packet, data, new_state, result, delta_sent)
 
 

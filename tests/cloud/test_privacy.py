@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from ciders_cloud import prepare
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.privacy import GaussianMechanism, PrivacySettings, PrivateRelease, solve_noise_multiplier
+from ciders_cloud.privacy import BudgetError, GaussianMechanism, PrivacySettings, PrivateRelease, solve_noise_multiplier
 from ciders_cloud.privacy.accountant import epsilon
 from ciders_cloud.round.aggregate import aggregate_files, aggregate_packets
 from ciders_cloud.round.sampling import sample_clients
@@ -194,7 +194,7 @@ def test_a_round_past_the_budget_is_refused_and_nothing_is_written(demo_dir, tmp
     assert manifest["privacy"]["epsilon"] == first["privacy"]["epsilon"]  # what v and c of round 1 have spent
     folder = RunFolder(root / "run")
     before = (folder.server_state / "state.json").read_bytes()
-    with pytest.raises(PacketError, match=r"round 1 would spend epsilon .* over the run's budget 4") as err:
+    with pytest.raises(BudgetError, match=r"round 1 would spend epsilon .* over the run's budget 4") as err:
         aggregate_files(root / "run", [root / "a.pkt"])  # round 1's budget is checked before its packets
     assert "\n" not in str(err.value)
     assert (folder.server_state / "state.json").read_bytes() == before
@@ -227,7 +227,7 @@ def test_a_private_round_that_sampled_no_one_still_releases_its_noise(demo_dir, 
     private = run.replace(dp={"clip": 0.1, "noise_multiplier": 1.0})
     prepare(private, tmp_path / "run")
     before = ServerState.load(RunFolder(tmp_path / "run").server_state)
-    s = aggregate_packets(tmp_path / "run", [])
+    s = aggregate_packets(tmp_path / "run", [], sampled=[])  # the round's draw named no one
     after = ServerState.load(RunFolder(tmp_path / "run").server_state)
     assert s["clients"] == [] and after.round == 1 and after.clients == before.clients == {}
     hp = RoundHyperparams.from_dict(private.hyperparameters)
@@ -238,3 +238,31 @@ def test_a_private_round_that_sampled_no_one_still_releases_its_noise(demo_dir, 
     assert float(noise.std()) == pytest.approx(1.0 * 0.1 / 1.0, rel=0.1)  # z C / D, D = q N = 1
     with pytest.raises(PacketError, match="a round needs at least one"):
         aggregate_packets(two_clients_round0(run, demo_dir, tmp_path / "plain") / "run", [])  # without DP: refused
+
+
+def test_a_sampling_private_run_takes_only_its_rounds_draw(demo_dir, tmp_path):
+    """Its epsilon counts on the sample simulate or serve drew: by hand, aggregate would credit an amplification
+    nobody earned, so it refuses; a packet from a client outside the draw is refused too."""
+    run = fast_run_config(
+        demo_dir, client_ids=["a", "b", "c"], participation=0.67, dp={"clip": 1.0, "noise_multiplier": 1.0}
+    )
+    root = two_clients_round0(run, demo_dir, tmp_path)
+    before = (RunFolder(root / "run").server_state / "state.json").read_bytes()
+    packets = ["--packets", str(root / "a.pkt"), "--packets", str(root / "b.pkt")]
+    result = runner.invoke(cloud, ["aggregate", "--run", str(root / "run"), *packets])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1 and "run its rounds with `simulate` or `serve`" in lines[0]
+    with pytest.raises(PacketError, match="client 'b' was not sampled this round"):
+        aggregate_files(root / "run", [root / "a.pkt", root / "b.pkt"], sampled=["a", "c"])
+    assert (RunFolder(root / "run").server_state / "state.json").read_bytes() == before
+    assert aggregate_files(root / "run", [root / "a.pkt", root / "b.pkt"], sampled=["a", "b"])["next_round"] == 1
+
+
+def test_simulate_refuses_rounds_the_budget_cannot_pay_before_it_trains(demo_dir, tmp_path):
+    dp = {"clip": 1.0, "noise_multiplier": 0.8, "max_epsilon": 3.0}
+    with pytest.raises(BudgetError, match=r"--rounds 3: the run's privacy budget epsilon 3 allows (\d+) rounds") as err:
+        simulate(fast_study(demo_dir, rounds=3, dp=dp), tmp_path / "study")
+    allowed = int(err.value.args[0].split("allows ")[1].split()[0])
+    release = PrivateRelease(PrivacySettings.from_dict(dp), "fixed", 1.0, 3)
+    assert release.spent(allowed).epsilon <= 3.0 < release.spent(allowed + 1).epsilon and allowed < 3
+    assert not (tmp_path / "study").exists()

@@ -54,7 +54,7 @@ def test_a_private_secure_round_noises_the_sum_of_what_the_edges_clipped(demo_di
     folder = RunFolder(tmp_path / "run")
     before = ServerState.load(folder.server_state)
     mean = _mean(before)
-    s = aggregate_secure(tmp_path / "run", mean, ["a", "b"])  # 3 sampled (D = 3), one dropped out
+    s = aggregate_secure(tmp_path / "run", mean, ["a", "b"], sampled=["a", "b", "c"])  # D = 3, one dropped out
     after = ServerState.load(folder.server_state)
     hp = RoundHyperparams.from_dict(run.hyperparameters)
     for k, v0 in before.messenger.items():

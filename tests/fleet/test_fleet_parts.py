@@ -398,7 +398,7 @@ def test_serve_refuses_secure_aggregation_it_cannot_do_in_one_line(run0, tmp_pat
     shutil.copytree(run0 / "run", tmp_path / "run")
     serve = ["serve", "--run", str(tmp_path / "run"), "--rounds", "2"]
     for args, message in [
-        (["--secure-aggregation", "--min-clients", "2"], "--secure-aggregation cannot serve --min-clients 3 at least"),
+        (["--secure-aggregation", "--min-clients", "2"], "--secure-aggregation needs --min-clients 3 or more, got 2"),
         (["--secure-aggregation", "--min-clients", "3"], "2 edge keys; --secure-aggregation needs at least 3 edges"),
     ]:
         r = runner.invoke(cloud, [*serve, *args])

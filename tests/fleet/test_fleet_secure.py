@@ -58,8 +58,11 @@ def test_a_secure_round_survives_a_dead_edge_and_the_cloud_sees_only_the_mean(de
         assert torch.allclose(server.consensus[k].double(), hp.alpha * mean[k], atol=hp.alpha * err + 1e-7), k
     assert max(float(m.abs().max()) for m in mean.values()) > 100 * err  # the test can tell a wrong mean
 
-    rounds = [r for r in fleet.fleet_log() if r["type"] == "round"]
+    log = fleet.fleet_log()
+    rounds = [r for r in log if r["type"] == "round"]
     assert [(r["round"], r["clients"], r["left_out"]) for r in rounds] == [(0, alive, [victim])]
+    said = [r["edge"] for r in log if r["type"] == "client" and "edge" in r]  # what each edge said in the clear
+    assert len(said) == 3 and all(set(e) == {"round", "steps", "loss_first", "loss_last"} for e in said)
     # no file of the cloud's (state, logs, the SuperLink's database) holds one edge's displacement or Δc
     needles = [
         _needle(t[k], dtype)
