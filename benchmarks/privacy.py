@@ -87,17 +87,16 @@ def main() -> None:
             metrics = run_simulate(cfg, out)
             if math.isinf(eps):
                 clip = clip_bound(out)
-            spent = [r["privacy"] for r in metrics if r["type"] == "round" and "privacy" in r]
+            rounds = [r for r in metrics if r["type"] == "round"]
+            spent = [r["privacy"] for r in rounds if "privacy" in r]
+            sampled = sum(len(r["participants"]) for r in rounds)
             rows[algorithm, eps] = {
                 **{k: v for k, v in final_scores(metrics).items() if k != "matrix"},
                 "clip": dp.get("clip"),
                 "noise_multiplier": spent[-1]["noise_multiplier"] if spent else None,
+                "noise_std_of_mean": spent[-1]["noise_std_of_mean"] if spent else None,
                 "epsilon_spent": spent[-1]["epsilon"] if spent else None,
-                "clipped_share": (
-                    sum(p["clipped"] for p in spent) / max(1, sum(len(p["norms_before_clip"]) for p in spent))
-                    if spent and "norms_before_clip" in spent[0]
-                    else None
-                ),  # fmt: skip
+                "clipped_share": sum(p["clipped"] for p in spent) / max(1, sampled) if spent else None,
                 "wall_s": median(r["wall_s"] for r in metrics if r["type"] == "round"),
             }
             print(algorithm, eps, rows[algorithm, eps], flush=True)
