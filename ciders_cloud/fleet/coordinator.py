@@ -80,9 +80,7 @@ class Coordinator:
         self._bytes: dict[tuple[str, str], bytes] = {}  # their files, read once for every edge
         self._layers: dict[str, ProfileLayers] | None = None
         self._rng = random.SystemRandom()  # who is sampled is not to be foretold from the run's files
-        self.sampled: list[str] | None = (
-            None  # this round's draw (sample), which the aggregation checks packets against
-        )
+        self.sampled: list[str] | None = None  # this round's draw, which the aggregation checks packets against
 
     @property
     def round(self) -> int:

@@ -56,8 +56,8 @@ class SecureSum:
 class _Round:
     """The legacy strategy SecAgg+'s workflow calls: the round's train requests, then the unmasked mean."""
 
-    def __init__(self, requests: dict[int, FitIns], names: list[str], like: Tensors) -> None:
-        self.requests, self.names, self.like = requests, names, like
+    def __init__(self, requests: dict[int, FitIns], like: Tensors) -> None:
+        self.requests, self.like = requests, like
         self.result = SecureSum(None)
 
     def configure_fit(self, server_round, parameters, client_manager):
@@ -68,7 +68,7 @@ class _Round:
             arrays = parameters_to_ndarrays(results[0][1].parameters)  # each result carries the unmasked mean
             mean = {
                 k: torch.from_numpy(np.asarray(a)).to(self.like[k].dtype)
-                for k, a in zip(self.names, arrays, strict=True)
+                for k, a in zip(sorted(self.like), arrays, strict=True)  # the edges send them in name order
             }
             summaries = {proxy.node_id: str(res.metrics.get("summary", "")) for proxy, res in results}
             self.result = SecureSum(mean, [proxy.node_id for proxy, _ in results], summaries)
@@ -92,7 +92,7 @@ def secure_sum(
 ) -> SecureSum:
     """Run Flower's SecAgg+ over the edges of ``requests`` (node id -> train request) and return the mean of
     their displacements over ``like``'s tensors (v), in name order as the edges send them."""
-    strategy = _Round(requests, sorted(like), like)
+    strategy = _Round(requests, like)
     threshold = max(MIN_EDGES, math.ceil(THRESHOLD * len(requests)))  # so no sum of fewer than MIN_EDGES unmasks
     context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: round_})
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()

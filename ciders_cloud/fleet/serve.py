@@ -25,6 +25,7 @@ from ciders_cloud.fleet.coordinator import node_keys
 from ciders_cloud.fleet.secure import MIN_EDGES
 from ciders_cloud.fleet.superlink import GRPC_SWITCHES, LOOPBACK
 from ciders_cloud.privacy import PrivateRelease
+from ciders_cloud.round.aggregate import check_mode
 from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import CertsFolder, RunFolder
 from ciders_cloud.run.server_state import ServerState
@@ -91,12 +92,8 @@ class ServeSettings:
 
 def check_aggregation(run: RunConfig, state: ServerState, opts: ServeSettings) -> None:
     """Refuse a secure-aggregation setting the run cannot take, in one line, before anything starts."""
+    check_mode(opts.run_dir, state, opts.secure_aggregation)
     if not opts.secure_aggregation:
-        if state.summed:
-            raise ConfigError(
-                f"{opts.run_dir}: this run's rounds were securely aggregated (the cloud holds no c_i); serve it "
-                "with --secure-aggregation"
-            )
         return
     if opts.min_clients < MIN_EDGES:
         raise ConfigError(
@@ -104,9 +101,7 @@ def check_aggregation(run: RunConfig, state: ServerState, opts: ServeSettings) -
             "each could subtract its own displacement from the sum)"
         )
     why = None
-    if state.clients:
-        why = "a run whose earlier rounds were aggregated in the clear (the cloud holds c_i copies that would go stale)"
-    elif run.is_mixed:
+    if run.is_mixed:
         why = "profiles that train different messenger layers (the edges' vectors would differ in shape)"
     elif strategy_for(run).needs_probe or not strategy_for(run).private:
         why = f"{run.algorithm} (its cloud step reads each client's own values, or sums nothing)"
