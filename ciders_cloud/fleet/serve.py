@@ -25,7 +25,6 @@ from ciders_cloud.fleet.coordinator import node_keys
 from ciders_cloud.fleet.secure import MIN_EDGES
 from ciders_cloud.fleet.superlink import GRPC_SWITCHES, LOOPBACK
 from ciders_cloud.privacy import PrivateRelease
-from ciders_cloud.round.aggregate import check_mode
 from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import CertsFolder, RunFolder
 from ciders_cloud.run.server_state import ServerState
@@ -92,7 +91,7 @@ class ServeSettings:
 
 def check_aggregation(run: RunConfig, state: ServerState, opts: ServeSettings) -> None:
     """Refuse a secure-aggregation setting the run cannot take, in one line, before anything starts."""
-    check_mode(opts.run_dir, state, opts.secure_aggregation)
+    state.check_mode(opts.secure_aggregation, opts.run_dir)
     if not opts.secure_aggregation:
         return
     if opts.min_clients < MIN_EDGES:

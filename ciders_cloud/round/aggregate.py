@@ -29,14 +29,14 @@ from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.logs import fidelity_record, write_round_log
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import CloudRound, round_hyperparams_for, strategy_for
-from ciders_edge.errors import ConfigError, PacketError, StateError
+from ciders_edge.errors import PacketError
 from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.formats.packet import PROBE_KIND
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.profiles import load_profile
 from ciders_edge.tensors import Tensors, add, non_finite, norm
 
-__all__ = ["aggregate_packets", "aggregate_files", "aggregate_probes", "aggregate_secure", "check_mode"]
+__all__ = ["aggregate_packets", "aggregate_files", "aggregate_probes", "aggregate_secure"]
 
 
 def _check_finite(tensors: Tensors, what: str) -> None:
@@ -159,29 +159,10 @@ def aggregate_secure(
     return _commit(run_dir, run, state, new, hp, backbones, mean, round_, closing)
 
 
-class AggregationModeError(StateError, ConfigError):
-    """A run's rounds so far were of the other kind (plain or secure) than the one asked for."""
-
-
-def check_mode(run_dir: Path, state: ServerState, secure: bool) -> None:
-    """A run stays plain (the cloud's c_i copies reconstruct each packet) or secure (the cloud holds no c_i):
-    refuse the other kind, in one line, for ``aggregate`` and ``serve`` alike."""
-    if secure and state.clients:
-        raise AggregationModeError(
-            f"{run_dir}: this run's earlier rounds were aggregated in the clear, and the cloud's copies of c_i "
-            "would go stale under secure aggregation; serve it without --secure-aggregation"
-        )
-    if not secure and state.summed:
-        raise AggregationModeError(
-            f"{run_dir}: this run's rounds were securely aggregated, so the cloud holds no c_i to reconstruct a Δc "
-            "packet with; go on with `ciders-cloud serve --secure-aggregation`"
-        )
-
-
 def _open(run_dir: Path, secure: bool) -> tuple[RunConfig, ServerState]:
-    """The run and its state, if its rounds so far were of this kind (:func:`check_mode`)."""
+    """The run and its state, if its rounds so far were of this kind (:meth:`ServerState.check_mode`)."""
     run, state = load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state)
-    check_mode(run_dir, state, secure)
+    state.check_mode(secure, run_dir)
     return run, state
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from ciders_cloud.run.folder import BACKBONE_LORA, CLIENT_CONSENSUS, CONSENSUS, MESSENGER_LORA, TAKD_OPTIMIZER
-from ciders_edge.errors import StateError
+from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.statedir import INT, OBJECT, STR, Field, list_of, load_state_dir, optional, save_state_dir
 
-__all__ = ["ServerState", "optimizer_to_tensors", "optimizer_from_tensors"]
+__all__ = ["ServerState", "AggregationModeError", "optimizer_to_tensors", "optimizer_from_tensors"]
 
 FORMAT_VERSION = 1
 FIELDS = {  # state.json, checked on load
@@ -34,6 +34,10 @@ FIELDS = {  # state.json, checked on load
 }
 
 
+class AggregationModeError(StateError, ConfigError):
+    """A run's rounds so far were of the other kind (plain or secure) than the one asked for."""
+
+
 @dataclass
 class ServerState:
     """The cloud's view of the federation after ``round`` completed rounds."""
@@ -50,6 +54,20 @@ class ServerState:
     last_summary: dict = field(default_factory=dict)  # what that aggregation reported
     # secure aggregation: the last round whose secure sum held each client (the cloud holds no c_i then)
     summed: dict[str, int] = field(default_factory=dict)
+
+    def check_mode(self, secure: bool, run_dir: str | Path) -> None:
+        """A run stays plain (the cloud's c_i copies reconstruct each packet) or secure (the cloud holds no c_i):
+        refuse the other kind, in one line, for ``aggregate`` and ``serve`` alike."""
+        if secure and self.clients:
+            raise AggregationModeError(
+                f"{run_dir}: this run's earlier rounds were aggregated in the clear, and the cloud's copies of c_i "
+                "would go stale under secure aggregation; serve it without --secure-aggregation"
+            )
+        if not secure and self.summed:
+            raise AggregationModeError(
+                f"{run_dir}: this run's rounds were securely aggregated, so the cloud holds no c_i to reconstruct a "
+                "Δc packet with; go on with `ciders-cloud serve --secure-aggregation`"
+            )
 
     def save(self, path: str | Path) -> None:
         flat = {f"{cid}/{k}": v for cid, st in self.clients.items() for k, v in st.items()}
