@@ -4,6 +4,7 @@ packet checks and node identities, TLS material, and the commands' bad inputs.""
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -381,8 +382,11 @@ def test_a_restarted_serve_waits_for_the_crashed_ones_flower_processes(tmp_path)
     home = tmp_path / "flower"
     home.mkdir()
     _wait_for_earlier(home, 0.0)  # none: no wait
-    leftover = subprocess.Popen(["sleep", "300"], env=flower_env(home))
+    # it says so once it runs: right after exec, /proc/PID/environ can still read empty for a moment
+    up = "import time; print('up', flush=True); time.sleep(300)"
+    leftover = subprocess.Popen([sys.executable, "-c", up], env=flower_env(home), stdout=subprocess.PIPE, text=True)
     try:
+        assert leftover.stdout.readline() == "up\n"
         with pytest.raises(StateError, match=rf"earlier serve of this run still run after 1 s \(pids {leftover.pid}\)"):
             _wait_for_earlier(home, 1.0)
     finally:
