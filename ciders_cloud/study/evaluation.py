@@ -6,6 +6,7 @@ autocast on CUDA, as :mod:`ciders_cloud.models.device` says)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
@@ -46,6 +47,11 @@ class Scoring:
         """The first ``eval_examples`` of ``cid``'s held-out records, tokenized."""
         return load_examples(self.study.eval_data(cid), tokenizer, 512)[: self.cfg.eval_examples]
 
+    def same_data(self, ids: list[str]) -> dict[str, str]:
+        """Each client's held-out data by content (a digest): clients given the same eval file (every
+        client of a domain, in a per-domain study) are scored on it once, not once per client."""
+        return {cid: hashlib.sha256(self.study.eval_data(cid).read_bytes()).hexdigest() for cid in ids}
+
 
 def delta_cross(matrix: list[list[float]]) -> float:
     """Mean off-diagonal NLL minus mean diagonal NLL: how much a personalized model loses off its domain."""
@@ -68,13 +74,17 @@ def evaluate_baseline(bundle_dir: Path, ids: list[str], scoring: Scoring) -> lis
     records = []
     models = [("emu", load_edge_model(bundle))] + ([("full", load_adapfu(bundle))] if bundle.has_full_backbone else [])
     models = [(name, _on(edge, scoring.device)) for name, edge in models]
+    key, scores = scoring.same_data(ids), {}
     for cid in ids:
-        rec = {"type": "baseline", "round": -1, "client": cid, "domain": scoring.domains[cid]}
-        for name, edge in models:
+        if key[cid] not in scores:
             with autocast(scoring.device):
-                batches = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
-                rec[f"nll_{name}"] = messenger_nll(edge, batches)
-        records.append(rec)
+                scores[key[cid]] = {
+                    f"nll_{name}": messenger_nll(edge, backbone_batches(edge, scoring.examples(cid, edge.tokenizer)))
+                    for name, edge in models
+                }
+        records.append(
+            {"type": "baseline", "round": -1, "client": cid, "domain": scoring.domains[cid], **scores[key[cid]]}
+        )
     return records
 
 
@@ -132,13 +142,14 @@ def _score_clients(edge: EdgeModel, ids: list[str], scoring: Scoring) -> tuple[l
     round_ = edge.bundle.round - 1
     with progress_bar() as bar:  # minutes on SmolLM2: one backbone pass and one matrix row per client
         task = bar.add_task(f"round {round_} evaluation", total=2 * len(ids), metrics="")
-        evals = {}  # through the shared backbone once: each row of the matrix only swaps the messenger
-        for cid in ids:
-            evals[cid] = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
+        key, by_data = scoring.same_data(ids), {}  # through the shared backbone once per eval set:
+        for cid in ids:  # each row of the matrix only swaps the messenger
+            if key[cid] not in by_data:
+                by_data[key[cid]] = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
             bar.update(task, advance=1, metrics=f"backbone pass {cid}")
         records, matrix = [], []
         for cid in ids:
-            record, row = _client_record(edge, v, evals, cid, ids, scoring)
+            record, row = _client_record(edge, v, by_data, key, cid, ids, scoring)
             records.append({"type": "eval", "round": round_, "client": cid, "domain": scoring.domains[cid], **record})
             matrix.append(row)
             bar.update(task, advance=1, metrics=f"{cid} NLL {records[-1]['nll_personal']:.3f}")
@@ -151,11 +162,13 @@ def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, d
         return {}
     edge = _on(load_adapfu(bundle), scoring.device)
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
-    scores = {}
+    key, by_data, scores = scoring.same_data(ids), {}, {}
     for cid in ids:
-        batches = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
-        edge.use_messenger(v)
-        nll_global = messenger_nll(edge, batches)
+        if key[cid] not in by_data:
+            batches = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
+            edge.use_messenger(v)
+            by_data[key[cid]] = batches, messenger_nll(edge, batches)
+        batches, nll_global = by_data[key[cid]]
         state = ClientState.load(scoring.study.client_state(cid))
         edge.use_messenger(state.personalized if state is not None and state.personalized else v)
         scores[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
@@ -163,15 +176,17 @@ def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, d
 
 
 def _client_record(
-    edge: EdgeModel, v: dict, evals: dict, cid: str, ids: list[str], scoring: Scoring
+    edge: EdgeModel, v: dict, by_data: dict, key: dict[str, str], cid: str, ids: list[str], scoring: Scoring
 ) -> tuple[dict, list[float]]:
-    """One client's scores, and its matrix row: its personalized messenger on every client's data."""
+    """One client's scores, and its matrix row: its personalized messenger on every client's data
+    (``by_data``: the backbone's batches of each distinct eval set, ``key``: each client's)."""
     state = ClientState.load(scoring.study.client_state(cid))
     personal = state.personalized if state is not None and state.personalized else v
     edge.use_messenger(v)
-    nll_global = messenger_nll(edge, evals[cid])
+    nll_global = messenger_nll(edge, by_data[key[cid]])
     edge.use_messenger(personal)
-    row = [messenger_nll(edge, evals[other]) for other in ids]
+    nll = {k: messenger_nll(edge, batches) for k, batches in by_data.items()}
+    row = [nll[key[other]] for other in ids]
     nll_personal = row[ids.index(cid)]
     rouge, em = _generation_scores(edge, scoring.study.eval_data(cid), scoring.cfg.eval_generate)
     record = {

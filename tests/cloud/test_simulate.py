@@ -188,3 +188,27 @@ def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
         assert evals[cid]["nll_full_personal"] == pytest.approx(response_nll(full, examples), rel=1e-5)
     summary = (out / "metrics.jsonl").read_text()
     assert '"nll_full_global"' in summary
+
+
+def test_clients_with_the_same_eval_file_are_scored_once_and_alike(demo_dir, tmp_path):
+    """Two clients given one eval file share its backbone pass: each still gets its own messenger's
+    score on it (a direct computation), and every matrix row scores them alike."""
+    from ciders_edge.data.records import load_examples
+    from ciders_edge.formats.bundle import Bundle
+    from ciders_edge.inference.evaluate import response_nll
+    from ciders_edge.inference.personalize import load_personalized
+
+    dates, code = (str(demo_dir / f / "eval.jsonl") for f in ("dates", "code"))
+    out = tmp_path / "sim"
+    simulate(fast_study(demo_dir, rounds=1, eval_generate=0, eval_data=[dates, dates, code]), out)
+    rows = _metrics(out)
+    baseline = {r["client"]: r for r in rows if r["type"] == "baseline"}
+    evals = {r["client"]: r for r in rows if r["type"] == "eval"}
+    matrix = next(r["matrix"] for r in rows if r["type"] == "cross")
+    assert baseline["client-00"]["nll_emu"] == baseline["client-01"]["nll_emu"]
+    assert all(row[0] == row[1] for row in matrix) and matrix[0][0] != matrix[1][1]  # two messengers
+    round1 = Bundle.load(RunFolder(out / "run").bundle("cpu-laptop", 1))
+    for cid in ("client-00", "client-01"):  # the AdapFu pass is shared too
+        full, _ = load_personalized(round1, out / "clients" / cid, backbone="full")
+        examples = load_examples(dates, full.tokenizer, 512)[: FAST["eval_examples"]]
+        assert evals[cid]["nll_full_personal"] == pytest.approx(response_nll(full, examples), rel=1e-5)
