@@ -1,7 +1,8 @@
 """Tiny runs and studies that tests in several folders build: prepare's CLI arguments, a run of a given
-split, a fast simulate config, a server state's bytes."""
+split, a fast simulate config, a server state's bytes, where two studies' metrics differ."""
 
 import json
+import math
 from pathlib import Path
 
 from ciders_cloud import RunConfig, prepare
@@ -90,3 +91,27 @@ def two_clients_round0(run: RunConfig, demo_dir, root: Path) -> Path:
     for cid, fam in (("a", "dates"), ("b", "code")):
         train(bundle, demo_dir / fam / "train.jsonl", root / f"state-{cid}", root / f"{cid}.pkt", RoundOptions(cid))
     return root
+
+
+def moved(got, want, where: str = "") -> str | None:
+    """Where ``got`` differs from ``want`` (``None``: nowhere). Numbers match to 1e-12 relative: the float64
+    diagnostics (S-DR, E-RAE) move in the 16th digit with their tensors' memory alignment, which depends on
+    what ran before in the process; a change of behaviour moves them far more. NaN matches NaN."""
+    if isinstance(got, float) or isinstance(want, float):
+        same = (math.isnan(got) and math.isnan(want)) or math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-300)
+        return (
+            None
+            if isinstance(got, int | float) and isinstance(want, int | float) and same
+            else f"{where}: {got} != {want}"
+        )
+    if isinstance(got, dict) and isinstance(want, dict):
+        if got.keys() != want.keys():
+            return f"{where}: keys {sorted(got)} != {sorted(want)}"
+        return next((m for k in got if (m := moved(got[k], want[k], f"{where}.{k}"))), None)
+    if isinstance(got, list) and isinstance(want, list):
+        if len(got) != len(want):
+            return f"{where}: {len(got)} items != {len(want)}"
+        return next(
+            (m for i, (g, w) in enumerate(zip(got, want, strict=True)) if (m := moved(g, w, f"{where}[{i}]"))), None
+        )
+    return None if got == want else f"{where}: {got!r} != {want!r}"

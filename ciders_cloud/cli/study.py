@@ -14,17 +14,19 @@ from ciders_cloud.run.config_file import merge_config
 from ciders_cloud.strategies import STRATEGIES
 from ciders_cloud.study.config import SimConfig, parse_profile_mix
 from ciders_cloud.study.report import report as report_runs
+from ciders_cloud.study.resume import resume as resume_run
 from ciders_cloud.study.simulate import simulate as simulate_run
 from ciders_edge.cli_utils import JsonOpt, run_command
 from ciders_edge.config import check_limit
 from ciders_edge.data.demo import write_demo_data
+from ciders_edge.errors import ConfigError
 from ciders_edge.progress import console
 
 __all__ = ["simulate", "report", "demo_data"]
 
 
 def simulate(
-    out: Annotated[Path, typer.Option(help="New folder for the whole study.")],
+    out: Annotated[Path, typer.Option(help="New folder for the whole study (with --resume: the study to go on with).")],
     data: Annotated[
         list[str] | None, typer.Option(help="JSONL data (repeatable; one per client with per-file).")
     ] = None,
@@ -73,6 +75,13 @@ def simulate(
     dp_epsilon: DpEpsilonOpt = None,
     dp_delta: DpDeltaOpt = None,
     dp_clip_on: DpClipOnOpt = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Go on with the study in --out to --rounds in all, from where it stopped (a kill too); "
+            "its own settings hold, so no other option is taken."
+        ),
+    ] = False,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
@@ -108,6 +117,10 @@ def simulate(
         }
         hp = {"eta": lr, "gamma": gamma, "local_steps": local_steps}  # the flag beats a file's [hyperparameters]
         dp = dp_table(dp_clip, dp_noise, dp_epsilon, dp_delta, dp_clip_on)
+        if resume:
+            dp_flags = {"dp_clip": dp_clip, "dp_noise": dp_noise, "dp_epsilon": dp_epsilon, "dp_delta": dp_delta}
+            _only_rounds({**flags, "config": config, "lr": lr, "gamma": gamma, **dp_flags, "dp_clip_on": dp_clip_on})
+            return resume_run(out, rounds, where)
         merged = merge_config(config, flags, {"hyperparameters": hp, "dp": dp}, command="simulate")
         if merged.get("profile_mix") and clients is None:  # the mix says how many edges there are
             merged["clients"] = sum(parse_profile_mix(merged["profile_mix"]).values())
@@ -121,6 +134,15 @@ def simulate(
         )
 
     run_command(body, as_json, render)
+
+
+def _only_rounds(options: dict) -> None:
+    """``--resume`` goes on with a study as it was made: any other setting given is refused, not ignored."""
+    given = [name for name, value in options.items() if value is not None and name != "rounds"]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        made = "--resume goes on with the study as it was made (its config.json)"
+        raise ConfigError(f"{flag}: {made}; only --rounds can grow")
 
 
 def report(

@@ -38,6 +38,8 @@ A study, made by ``ciders-cloud simulate --out OUT`` (:class:`StudyFolder`)::
       packets/round-XXXX/<client>.pkt     its Δc packet of round XXXX                 .packet(round_, client)
       packets/round-XXXX/<client>.probe.pkt   FedNest's gradient packet             .probe_packet(round_, client)
       metrics.jsonl                       client, round, eval records (report's input)   .metrics
+      snapshots/round-XXXX/<client>/      its state before round XXXX, until that round    .snapshot(round_, client)
+                                          commits (``simulate --resume`` puts it back)
 
 A report, made by ``ciders-cloud report --out OUT`` (:class:`ReportFolder`): ``summary.md`` and PNGs.
 Changing a name here changes the on-disk layout: old runs must still load, so don't.
@@ -222,6 +224,16 @@ class StudyFolder:
 
     def probe_packet(self, round_: int, client: str) -> Path:
         return self.root / "packets" / _round(round_) / f"{client}.probe.pkt"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "snapshots"
+
+    def round_snapshots(self, round_: int) -> Path:
+        return self.snapshots / _round(round_)
+
+    def snapshot(self, round_: int, client: str) -> Path:
+        return self.round_snapshots(round_) / client
 
 
 @dataclass(frozen=True)

@@ -21,36 +21,52 @@ from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.diagnostics import client_diagnostics
 from ciders_cloud.study.evaluation import Scoring, evaluate_baseline, evaluate_groups
 from ciders_cloud.study.profiles import StudyProfiles
+from ciders_cloud.study.snapshots import keep_state, round_committed
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.progress import console
 from ciders_edge.training.train import RoundOptions, probe, train
 
-__all__ = ["run_rounds"]
+__all__ = ["run_rounds", "evaluated_after"]
 
 
 def run_rounds(
-    cfg: SimConfig, study: StudyFolder, ids: list[str], domains: dict[str, str], device: torch.device
+    cfg: SimConfig,
+    study: StudyFolder,
+    ids: list[str],
+    domains: dict[str, str],
+    device: torch.device,
+    start: int = 0,
+    evaluate_first: bool = False,
 ) -> dict:
-    """The rounds of a built study, the cloud's part and the evaluation on ``device``; returns the last evaluation."""
+    """Rounds ``start`` to ``cfg.rounds - 1`` of a built study, the cloud's part and the evaluation on
+    ``device``; returns the last evaluation. From a ``start`` past 0 (``simulate --resume``) the rounds
+    draw the samples a run that never stopped would have; ``evaluate_first`` scores round ``start - 1``
+    first, when its evaluation was cut short."""
     run = study.run
     rng = random.Random(cfg.seed)
+    for _ in range(start):  # the draws of the rounds already run
+        sample_clients(ids, cfg.participation, cfg.sampling, rng, private=bool(cfg.dp))
     strategy = get_strategy(cfg.algorithm)
     profiles = StudyProfiles.of(cfg, ids, load_run(run.root))
     last_eval: dict = {}
-    down = {p: Bundle.load(run.bundle(p, 0)).delta_bytes(None) for p in profiles.groups}  # round 0: all of it
+    down = {p: _fetched(study, p, start) for p in profiles.groups}
     scoring = Scoring(study, domains, cfg, device)
-    for p, members in profiles.groups.items():
+    for p, members in profiles.groups.items() if start == 0 else ():
         baseline = evaluate_baseline(run.bundle(p, 0), members, scoring)
         append_jsonl(study.metrics, profiles.tag(baseline))
-    for t in range(cfg.rounds):
+    if evaluate_first:
+        last_eval = evaluate_groups(start, profiles.groups, scoring)
+        append_jsonl(study.metrics, profiles.tag(last_eval["records"]))
+    for t in range(start, cfg.rounds):
         started = time.perf_counter()
         participants = sample_clients(ids, cfg.participation, cfg.sampling, rng, private=bool(cfg.dp))
         probed = _probe(study, t, participants, profiles, device) if strategy.needs_probe else {}
         packets, outputs = [], {}
         for cid in participants:
             console.print(f"[bold]round {t}[/] {cid} ({strategy.name}{profiles.label(cid)})")
+            keep_state(study, t, cid)  # until the round commits: a resumed study trains it again from here
             packet = study.packet(t, cid)
             outputs[cid] = train(
                 run.bundle(profiles.profile_of[cid], t),
@@ -63,6 +79,7 @@ def run_rounds(
             )
             packets.append(packet)
         agg = aggregate_files(run.root, packets, device, sampled=participants)
+        round_committed(study, t)
         hp = round_hyperparams_for(load_run(run.root), t)
         deltas = {cid: profiles.to_v_names(cid, o.delta_sent) for cid, o in outputs.items()}
         directions = {cid: profiles.to_v_names(cid, o.result.first_direction) for cid, o in outputs.items()}
@@ -79,11 +96,22 @@ def run_rounds(
         per_client = mean(down[profiles.profile_of[cid]] for cid in participants) if participants else 0
         records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, per_client))
         down = {p: agg["bytes_down"][p] for p in profiles.groups}  # what each client fetches for the next round
-        if (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1:
+        append_jsonl(study.metrics, profiles.tag(records))  # before the evaluation's minutes
+        if evaluated_after(cfg, t):
             last_eval = evaluate_groups(t + 1, profiles.groups, scoring)
-            records += last_eval["records"]
-        append_jsonl(study.metrics, profiles.tag(records))
+            append_jsonl(study.metrics, profiles.tag(last_eval["records"]))
     return last_eval
+
+
+def evaluated_after(cfg: SimConfig, t: int) -> bool:
+    """Whether round ``t`` ends with an evaluation: every ``eval_every`` rounds, and after the last."""
+    return (t + 1) % cfg.eval_every == 0 or t == cfg.rounds - 1
+
+
+def _fetched(study: StudyFolder, profile: str, round_: int) -> int:
+    """Bytes a client of ``profile`` fetches for ``round_``'s bundle: all of round 0's, then what changed."""
+    bundle = Bundle.load(study.run.bundle(profile, round_))
+    return bundle.delta_bytes(Bundle.load(study.run.bundle(profile, round_ - 1)) if round_ else None)
 
 
 def _probe(study: StudyFolder, t: int, ids: list[str], profiles: StudyProfiles, device: torch.device) -> dict:

@@ -1,14 +1,13 @@
 """`simulate` on tiny through the real train/aggregate code; every algorithm; FedAvg equivalence."""
 
 import json
-import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_runs import FAST, fast_study
+from tiny_runs import FAST, fast_study, moved
 
 from ciders_cloud.round.aggregate import aggregate_probes
 from ciders_cloud.run.folder import RunFolder
@@ -30,30 +29,6 @@ UNPINNED = ("wall_s", "bytes_down")  # a clock, and the bundles' size (their man
 def _pinned(rows: list[dict]) -> list[dict]:
     """The metrics a refactor must keep."""
     return [{k: v for k, v in r.items() if k not in UNPINNED} for r in rows]
-
-
-def _moved(got, want, where: str = "") -> str | None:
-    """Where ``got`` differs from ``want`` (``None``: nowhere). Numbers match to 1e-12 relative: the float64
-    diagnostics (S-DR, E-RAE) move in the 16th digit with their tensors' memory alignment, which depends on
-    what ran before in the process; a change of behaviour moves them far more. NaN matches NaN."""
-    if isinstance(got, float) or isinstance(want, float):
-        same = (math.isnan(got) and math.isnan(want)) or math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-300)
-        return (
-            None
-            if isinstance(got, int | float) and isinstance(want, int | float) and same
-            else f"{where}: {got} != {want}"
-        )
-    if isinstance(got, dict) and isinstance(want, dict):
-        if got.keys() != want.keys():
-            return f"{where}: keys {sorted(got)} != {sorted(want)}"
-        return next((m for k in got if (m := _moved(got[k], want[k], f"{where}.{k}"))), None)
-    if isinstance(got, list) and isinstance(want, list):
-        if len(got) != len(want):
-            return f"{where}: {len(got)} items != {len(want)}"
-        return next(
-            (m for i, (g, w) in enumerate(zip(got, want, strict=True)) if (m := _moved(g, w, f"{where}[{i}]"))), None
-        )
-    return None if got == want else f"{where}: {got!r} != {want!r}"
 
 
 @pytest.fixture
@@ -99,8 +74,8 @@ def _check_golden(algorithm: str, rows: list[dict]) -> None:
     if os.environ.get("CIDERS_UPDATE_GOLDEN"):
         golden[algorithm] = _pinned(rows)
         GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
-    moved = _moved(json.loads(json.dumps(_pinned(rows))), _pinned(golden[algorithm]))  # as the file holds them
-    assert moved is None, f"{algorithm}: simulate's metrics moved at {moved}"
+    where = moved(json.loads(json.dumps(_pinned(rows))), _pinned(golden[algorithm]))  # as the file holds them
+    assert where is None, f"{algorithm}: simulate's metrics moved at {where}"
 
 
 def _check_bilevel_rounds(out, rows, algorithm):
