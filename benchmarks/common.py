@@ -141,6 +141,24 @@ def final_scores(rows: list[dict]) -> dict:
     }
 
 
+def trainable_lines(path: Path, wanted: int | None = None) -> list[str]:
+    """The first ``wanted`` lines (default: all) of ``path`` whose response starts within the run's
+    sequence length: the records training keeps (of five_domain's finance train.jsonl, 80 of 1000 lines)."""
+    from ciders_edge.data.records import IGNORE, encode, to_chat
+    from ciders_edge.hyperparams import RoundHyperparams
+    from ciders_edge.model.sources import load_tokenizer, resolve_model
+
+    tok, max_len = load_tokenizer(resolve_model("smollm2-135m")), RoundHyperparams().seq_len
+    kept = []
+    for line in path.read_text().splitlines():
+        _, labels = encode(tok, *to_chat(json.loads(line)), max_len)
+        if any(x != IGNORE for x in labels[1:]):
+            kept.append(line)
+        if len(kept) == wanted:
+            break
+    return kept
+
+
 def domain_study(domains: tuple[str, ...], **overrides):
     """A ``simulate`` config with one five_domain domain per client: it trains on the domain's
     ``train.jsonl`` and is scored on its ``eval.jsonl``; SmolLM2, messenger depth 6, drop 0.2,

@@ -1,12 +1,13 @@
 """What client-level differential privacy costs: matched-domain and global NLL against epsilon, CIDERS-FO and FedAvg.
 
-    python benchmarks/privacy.py --clients 50 --rounds 10 --participation 0.2 --epsilons inf,8,2
+    python benchmarks/privacy.py --clients 50 --rounds 5 --participation 0.2 --epsilons inf,8,2
 
 SmolLM2-135M, five_domain: N clients, N/5 per domain, each with a few records of its domain's
 ``train.jsonl`` (disjoint shards) and scored on its domain's ``eval.jsonl``. Each (algorithm, epsilon)
 is one ``simulate`` with Poisson sampling of rate q and delta = 1/N; epsilon = inf is the run without
 DP. The clip bound C is the median displacement norm of the algorithm's non-private run (the clip
-quantile 0.5 of adaptive clipping), so about half the displacements are clipped. Resumable: a finished
+quantile 0.5 of adaptive clipping), so about half the displacements are clipped; ``--clip-scales 1,0.1``
+also runs each finite epsilon at C = 0.1 x that median (less noise, smaller steps). Resumable: a finished
 configuration is read back. Writes ``results/privacy.{json,md,png}``.
 """
 
@@ -20,20 +21,30 @@ from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, data_dir, domain_study, final_scores, run_simulate, write_results  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    data_dir,
+    domain_study,
+    final_scores,
+    run_simulate,
+    trainable_lines,
+    write_results,
+)
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 
 
 def shards(out: Path, clients: int, records: int) -> tuple[list[str], list[str]]:
-    """Each client's training shard (``records`` of its domain's train.jsonl, disjoint) and eval file."""
+    """Each client's training shard (``records`` of its domain's train.jsonl, disjoint, each with a
+    response within the sequence length, so every shard trains) and eval file."""
     five = data_dir("five_domain")
     out.mkdir(parents=True, exist_ok=True)
+    fitting = {d: trainable_lines(five / d / "train.jsonl", (clients // len(DOMAINS) + 1) * records) for d in DOMAINS}
     data, evals = [], []
     for i in range(clients):
         domain = DOMAINS[i % len(DOMAINS)]
         k = i // len(DOMAINS)
-        lines = (five / domain / "train.jsonl").read_text().splitlines()[k * records : (k + 1) * records]
+        lines = fitting[domain][k * records : (k + 1) * records]
         if len(lines) < records:
             sys.exit(f"{domain}: too few records for {clients} clients of {records} each")
         path = out / f"client-{i:03d}-{domain}.jsonl"
@@ -44,7 +55,7 @@ def shards(out: Path, clients: int, records: int) -> tuple[list[str], list[str]]
 
 
 def clip_bound(out: Path) -> float:
-    """The median displacement norm over the non-private run's rounds (each round summary's delta_norms)."""
+    """The median displacement norm of the non-private run's last round (its summary's delta_norms)."""
     from ciders_cloud.run.folder import RunFolder
     from ciders_cloud.run.server_state import ServerState
 
@@ -56,83 +67,102 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/privacy"))
     ap.add_argument("--clients", type=int, default=50)
-    ap.add_argument("--records", type=int, default=16, help="training records per client")
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--records", type=int, default=8, help="training records per client")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--participation", type=float, default=0.2)
-    ap.add_argument("--local-steps", type=int, default=10)
-    ap.add_argument("--eval-examples", type=int, default=8)
+    ap.add_argument("--local-steps", type=int, default=4)
+    ap.add_argument("--eval-examples", type=int, default=4)
     ap.add_argument("--algorithms", default="ciders-fo,fedavg")
     ap.add_argument("--epsilons", default="inf,8,2")
+    ap.add_argument("--clip-scales", default="1", help="C as multiples of the median norm, for each finite epsilon")
     args = ap.parse_args()
     data, evals = shards(args.out / "shards", args.clients, args.records)
+    study = {
+        "data": data,
+        "eval_data": evals,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "local_steps": args.local_steps,
+        "participation": args.participation,
+        "sampling": "poisson",
+        "eval_examples": args.eval_examples,
+    }
+    epsilons = sorted(map(float, args.epsilons.split(",")), key=math.isfinite)  # ε = ∞ first: it sets C
+    scales = [float(x) for x in args.clip_scales.split(",")]
     rows = {}
     for algorithm in args.algorithms.split(","):
-        clip = None
-        for eps in sorted(map(float, args.epsilons.split(",")), key=math.isfinite):  # ε = ∞ first: it sets C
-            out = args.out / f"{algorithm}-eps{eps:g}"
-            dp = {} if math.isinf(eps) else {"clip": clip, "target_epsilon": eps}
-            cfg = domain_study(
-                DOMAINS,
-                data=data,
-                eval_data=evals,
-                clients=args.clients,
-                rounds=args.rounds,
-                local_steps=args.local_steps,
-                algorithm=algorithm,
-                participation=args.participation,
-                sampling="poisson",
-                eval_examples=args.eval_examples,
-                dp=dp,
-            )
-            metrics = run_simulate(cfg, out)
-            if math.isinf(eps):
-                clip = clip_bound(out)
-            rounds = [r for r in metrics if r["type"] == "round"]
-            spent = [r["privacy"] for r in rounds if "privacy" in r]
-            sampled = sum(len(r["participants"]) for r in rounds)
-            rows[algorithm, eps] = {
-                **{k: v for k, v in final_scores(metrics).items() if k != "matrix"},
-                "clip": dp.get("clip"),
-                "noise_multiplier": spent[-1]["noise_multiplier"] if spent else None,
-                "noise_std_of_mean": spent[-1]["noise_std_of_mean"] if spent else None,
-                "epsilon_spent": spent[-1]["epsilon"] if spent else None,
-                "clipped_share": sum(p["clipped"] for p in spent) / max(1, sampled) if spent else None,
-                "wall_s": median(r["wall_s"] for r in metrics if r["type"] == "round"),
-            }
-            print(algorithm, eps, rows[algorithm, eps], flush=True)
-    table = []
-    for (algorithm, eps), r in rows.items():
-        base = rows[algorithm, math.inf]
-        table.append([
-            algorithm, "∞" if math.isinf(eps) else f"{eps:g}", "-" if r["clip"] is None else f"{r['clip']:.3g}",
-            "-" if r["noise_multiplier"] is None else f"{r['noise_multiplier']:.3g}",
-            f"{r['matched_nll']:.4f}", f"{r['matched_nll'] - base['matched_nll']:+.4f}",
-            f"{r['nll_global']:.4f}", f"{r['nll_global'] - base['nll_global']:+.4f}",
-        ])  # fmt: skip
-    header = ["algorithm", "ε", "C", "z", "matched NLL (pers.)", "vs ε=∞", "global NLL", "vs ε=∞"]
-    payload = {f"{a}-eps{e:g}": r for (a, e), r in rows.items()}
-    write_results("privacy", {"rows": payload, "args": vars(args) | {"out": str(args.out)}}, table, header)
+        median_norm = None
+        for eps in epsilons:
+            for scale in [1.0] if math.isinf(eps) else scales:
+                dp = {} if math.isinf(eps) else {"clip": scale * median_norm, "target_epsilon": eps}
+                name = f"{algorithm}-eps{eps:g}" + (f"-clip{scale:g}" if scale != 1 else "")
+                metrics = run_simulate(domain_study(DOMAINS, algorithm=algorithm, dp=dp, **study), args.out / name)
+                if math.isinf(eps):
+                    median_norm = clip_bound(args.out / name)
+                rows[algorithm, eps, scale] = row(metrics, dp)
+                print(name, rows[algorithm, eps, scale], flush=True)
+    header = ["algorithm", "ε", "C", "z", "noise std / element", "clipped", "matched NLL (pers.)", "vs ε=∞"]
+    header += ["global NLL", "vs ε=∞", "s / round"]
+    payload = {f"{a}-eps{e:g}-clip{c:g}": r for (a, e, c), r in rows.items()}
+    write_results("privacy", {"rows": payload, "args": vars(args) | {"out": str(args.out)}}, table(rows), header)
     plot(rows, RESULTS / "privacy.png")
 
 
+def row(metrics: list[dict], dp: dict) -> dict:
+    """One configuration's final scores, its mechanism (the last round's) and its median round time."""
+    rounds = [r for r in metrics if r["type"] == "round"]
+    spent = [r["privacy"] for r in rounds if "privacy" in r]
+    sampled = sum(len(r["participants"]) for r in rounds)
+    last = spent[-1] if spent else {}
+    return {
+        **{k: v for k, v in final_scores(metrics).items() if k != "matrix"},
+        "clip": dp.get("clip"),
+        "noise_multiplier": last.get("noise_multiplier"),
+        "noise_std_of_mean": last.get("noise_std_of_mean"),
+        "epsilon_spent": last.get("epsilon"),
+        "clipped_share": sum(p["clipped"] for p in spent) / max(1, sampled) if spent else None,
+        "sampled": sampled,
+        "wall_s": median(r["wall_s"] for r in rounds),
+    }
+
+
+def table(rows: dict) -> list[list[str]]:
+    """The markdown table's rows, each against its algorithm's non-private run."""
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    out = []
+    for (algorithm, eps, _), r in rows.items():
+        base = rows[algorithm, math.inf, 1.0]
+        out.append([
+            algorithm, "∞" if math.isinf(eps) else f"{eps:g}", fmt(r["clip"], ".3g"), fmt(r["noise_multiplier"], ".3g"),
+            fmt(r["noise_std_of_mean"], ".3g"), fmt(r["clipped_share"], ".0%"),
+            f"{r['matched_nll']:.4f}", f"{r['matched_nll'] - base['matched_nll']:+.4f}",
+            f"{r['nll_global']:.4f}", f"{r['nll_global'] - base['nll_global']:+.4f}", f"{r['wall_s']:.0f}",
+        ])  # fmt: skip
+    return out
+
+
 def plot(rows: dict, path: Path) -> None:
-    """Matched-domain NLL (personalized) and global NLL against epsilon, one line per algorithm (∞ at the right)."""
+    """Matched-domain NLL (personalized) and global NLL against epsilon, one line per algorithm and clip
+    scale (∞ at the right, shared by every scale), the round-0 model's NLL dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    algorithms = sorted({a for a, _ in rows})
-    finite = sorted({e for _, e in rows if not math.isinf(e)})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    finite = sorted({e for _, e, _ in rows if not math.isinf(e)})
     at = {e: i for i, e in enumerate([*finite, math.inf])}
+    lines = sorted({(a, c) for a, e, c in rows if not math.isinf(e)})
     for ax, key, title in zip(axes, ("matched_nll", "nll_global"), ("personalized, own domain", "global"), strict=True):
-        for a in algorithms:
-            pts = sorted((at[e], r[key]) for (b, e), r in rows.items() if b == a)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=a)
+        for a, c in lines:
+            pts = sorted((at[e], r[key]) for (b, e, s), r in rows.items() if b == a and (s == c or math.isinf(e)))
+            label = a + ("" if c == 1 else f", C = {c:g} x median")
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+        base = next(iter(rows.values()))["baseline_emu"]
+        ax.axhline(base, color="gray", linestyle=":", label="round 0 (no training)")
         ax.set_xticks(range(len(at)), [f"{e:g}" if not math.isinf(e) else "∞ (no DP)" for e in at])
-        ax.set(title=f"held-out NLL, {title}", xlabel="ε (δ = 1/N)", ylabel="NLL")
-        ax.legend()
+        ax.set(title=f"held-out NLL, {title}", xlabel="ε (δ = 1/N)", ylabel="NLL", yscale="log")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(json.dumps({"plot": str(path)}))

@@ -1,0 +1,221 @@
+"""Does CIDERS beat FedAvg over many rounds? Six algorithms on three kinds of heterogeneity, a few rounds at a time.
+
+    python benchmarks/long_run.py --rounds 20 --step 2 --out runs/long-run     # stop it and rerun at will
+    python benchmarks/long_run.py --report-only --out runs/long-run            # tables and curves of what ran
+
+Settings (every algorithm shares each one's data, seeds, messenger depth and K):
+  b        Protocol B: five clients, one five_domain domain each, all in every round.
+  c0.1     Protocol C: Dolly split over 8 clients by a Dirichlet(0.1) over ``category`` (strong skew).
+  c1.0     the same with Dirichlet(1.0).
+  partial  20 clients, four per five_domain domain (disjoint records), 5 sampled a round (fixed).
+
+Each (setting, algorithm) is one ``simulate`` study, grown ``--step`` rounds a pass with ``simulate --resume``
+until ``--rounds``, every study to the same round before any goes further, so the curves grow together and
+a stop loses at most the round in flight. Writes ``results/long_run.{json,md}`` and, per setting,
+``results/long_run/<setting>.png`` (matched-domain and global NLL and Delta_cross against rounds, matched
+NLL against bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from statistics import mean, median
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, data_dir, trainable_lines, write_results  # noqa: E402
+
+DOMAINS = ("medical", "finance", "customer_support", "code", "general")
+ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
+SETTINGS = ("b", "c0.1", "c1.0", "partial")
+
+
+def study_config(setting: str, algorithm: str, args: argparse.Namespace):
+    """The ``simulate`` config of one (setting, algorithm), at ``--rounds``."""
+    from ciders_cloud.study.config import SimConfig
+
+    shared = {
+        "model": args.model,
+        "algorithm": algorithm,
+        "rounds": args.rounds,
+        "local_steps": args.local_steps,
+        "messenger_depth": args.messenger_depth,
+        "drop_ratio": 0.2,
+        "eval_every": args.eval_every,
+        "eval_examples": args.eval_examples,
+        "eval_generate": 0,
+        "max_records": args.max_records,
+        "seed": args.seed,
+    }
+    five = data_dir("five_domain")
+    if setting.startswith("c"):
+        dolly = data_dir("dolly15k") / "dolly15k.jsonl"
+        return SimConfig(**shared, data=[str(dolly)], partition=f"dirichlet:{setting[1:]}:category", clients=8)
+    per_domain = 1 if setting == "b" else 4
+    clients = [DOMAINS[i % len(DOMAINS)] for i in range(len(DOMAINS) * per_domain)]
+    data = [str(shard(args.out, d, i // len(DOMAINS), per_domain)) for i, d in enumerate(clients)]
+    evals = [str(five / d / "eval.jsonl") for d in clients]
+    partial = {"participation": 0.25, "sampling": "fixed"} if setting == "partial" else {}
+    return SimConfig(
+        **shared, data=data, eval_data=evals, partition="per-file", clients=len(clients), **partial,
+        public_data=str(public_data(args.out)),
+    )  # fmt: skip
+
+
+def shard(out: Path, domain: str, k: int, of: int) -> Path:
+    """Client k's of ``of`` disjoint shares of ``domain``'s train.jsonl, of the records that fit the
+    sequence length (so that every client trains, finance's too)."""
+    path = out / "shards" / f"{domain}-{k}-of-{of}.jsonl"
+    if not path.is_file():
+        lines = trainable_lines(data_dir("five_domain") / domain / "train.jsonl")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines[k::of]) + "\n")
+    return path
+
+
+def public_data(out: Path) -> Path:
+    """TAKD's data for the five_domain settings: the five domains' public.jsonl together (as protocol_b.py)."""
+    path = out / "public.jsonl"
+    if not path.is_file():
+        five = data_dir("five_domain")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"".join((five / d / "public.jsonl").read_bytes() for d in DOMAINS))
+    return path
+
+
+def grow(cfg, out: Path, rounds: int) -> None:
+    """Bring the study in ``out`` to ``rounds`` rounds: made by ``simulate``, then ``simulate --resume``."""
+    from ciders_cloud.study.resume import resume
+    from ciders_cloud.study.simulate import simulate
+
+    if not (out / "config.json").is_file():
+        simulate(cfg.replace(rounds=rounds), out)
+        return
+    saved = json.loads((out / "config.json").read_text())
+    if {**saved, "rounds": None} != {**json.loads(json.dumps(cfg.to_dict())), "rounds": None}:
+        sys.exit(f"{out}: a study with other settings; choose another --out")
+    if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
+        resume(out, rounds)
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def curves(out: Path) -> dict:
+    """One study's curves: per evaluated round its matched-domain NLL (the matrix's diagonal), global NLL,
+    Delta_cross and the bytes moved so far; and its median seconds and bytes per round."""
+    rows = _metrics(out)
+    rounds = [r for r in rows if r["type"] == "round"]
+    cum, total = {}, 0
+    for r in rounds:
+        total += r["bytes_up"] + r["bytes_down"] * len(r["participants"])
+        cum[r["round"]] = total
+    points = []
+    for cross in (r for r in rows if r["type"] == "cross"):
+        t = cross["round"]
+        evals = [r for r in rows if r["type"] == "eval" and r["round"] == t]
+        matched = mean(row[i] for i, row in enumerate(cross["matrix"]))
+        nll_global = mean(r["nll_global"] for r in evals)
+        points.append({"round": t + 1, "matched": matched, "global": nll_global, "delta_cross": cross["delta_cross"]})
+        points[-1]["bytes"] = cum.get(t, 0)
+    base = [r["nll_emu"] for r in rows if r["type"] == "baseline"]
+    return {
+        "points": points,
+        "round0_matched": mean(base) if base else None,
+        "wall_s": median(r["wall_s"] for r in rounds) if rounds else None,
+        "bytes_per_round": median(r["bytes_up"] + r["bytes_down"] * len(r["participants"]) for r in rounds)
+        if rounds
+        else None,
+    }
+
+
+def report(args: argparse.Namespace) -> None:
+    """The table (each study at its last evaluation, against FedAvg's at the same round) and the curves."""
+    table, payload = [], {}
+    for setting in args.settings.split(","):
+        runs = {a: curves(args.out / setting / a) for a in args.algorithms.split(",")}
+        runs = {a: c for a, c in runs.items() if c["points"]}
+        payload[setting] = runs
+        if not runs:
+            continue
+        common = min(c["points"][-1]["round"] for c in runs.values())
+        at = {a: next(p for p in c["points"] if p["round"] == common) for a, c in runs.items() if _has(c, common)}
+        ref = at.get("fedavg")
+        for a, p in at.items():
+            c = runs[a]
+            vs = f"{p['matched'] - ref['matched']:+.4f}" if ref else "-"
+            ratio = f"{c['wall_s'] / runs['fedavg']['wall_s']:.2f}x" if ref else "-"
+            table.append([
+                setting, a, str(common), f"{p['matched']:.4f}", vs, f"{p['global']:.4f}",
+                f"{p['delta_cross']:.4f}" if p["delta_cross"] is not None else "-",
+                f"{c['wall_s']:.0f}", ratio, f"{c['bytes_per_round'] / 1e6:.2f}",
+            ])  # fmt: skip
+        plot(setting, runs, RESULTS / "long_run" / f"{setting}.png")
+    header = ["setting", "algorithm", "round", "matched NLL (pers.)", "vs FedAvg", "global NLL", "Δcross"]
+    header += ["s / round", "vs FedAvg", "MB / round"]
+    write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header)
+
+
+def _has(c: dict, round_: int) -> bool:
+    return any(p["round"] == round_ for p in c["points"])
+
+
+def plot(setting: str, runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    panels = [("round", "matched", "matched-domain NLL (personalized)"), ("round", "global", "global NLL")]
+    panels += [("round", "delta_cross", "Δcross"), ("bytes", "matched", "matched-domain NLL against bytes")]
+    scale = {"round": 1, "bytes": 1e6}
+    for ax, (x, y, title) in zip(axes, panels, strict=True):
+        for a, c in runs.items():
+            pts = [(p[x] / scale[x], p[y]) for p in c["points"] if p[y] is not None]
+            ax.plot([u for u, _ in pts], [v for _, v in pts], marker=".", label=a)
+        if y == "matched" and (base := next(iter(runs.values()))["round0_matched"]) is not None:
+            ax.axhline(base, color="gray", linestyle=":", label="round 0")
+        ax.set(title=f"{setting}: {title}", xlabel="MB moved (up + down)" if x == "bytes" else "rounds")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/long-run"))
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--step", type=int, default=2, help="rounds every study gains a pass")
+    ap.add_argument("--local-steps", type=int, default=5, help="K, shared by every algorithm")
+    ap.add_argument("--messenger-depth", type=int, default=6)
+    ap.add_argument("--max-records", type=int, default=64, help="training records per client")
+    ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--eval-examples", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m", help="tiny for a quick try of the script")
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    if not args.report_only:
+        from ciders_edge.cli_utils import quiet_libraries
+
+        quiet_libraries()
+        for target in range(min(args.step, args.rounds), args.rounds + args.step, args.step):
+            for setting in args.settings.split(","):
+                for algorithm in args.algorithms.split(","):
+                    out = args.out / setting / algorithm
+                    grow(study_config(setting, algorithm, args), out, min(target, args.rounds))
+            report(args)  # after every pass: the results so far
+    report(args)
+
+
+if __name__ == "__main__":
+    main()
