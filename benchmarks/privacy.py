@@ -102,7 +102,7 @@ def main() -> None:
                 rows[algorithm, eps, scale] = row(metrics, dp)
                 print(name, rows[algorithm, eps, scale], flush=True)
     header = ["algorithm", "ε", "C", "z", "noise std / element", "clipped", "matched NLL (pers.)", "vs ε=∞"]
-    header += ["global NLL", "vs ε=∞", "s / round"]
+    header += ["global NLL", "vs ε=∞"]
     payload = {f"{a}-eps{e:g}-clip{c:g}": r for (a, e, c), r in rows.items()}
     write_results("privacy", {"rows": payload, "args": vars(args) | {"out": str(args.out)}}, table(rows), header)
     plot(rows, RESULTS / "privacy.png")
@@ -136,7 +136,7 @@ def table(rows: dict) -> list[list[str]]:
             algorithm, "∞" if math.isinf(eps) else f"{eps:g}", fmt(r["clip"], ".3g"), fmt(r["noise_multiplier"], ".3g"),
             fmt(r["noise_std_of_mean"], ".3g"), fmt(r["clipped_share"], ".0%"),
             f"{r['matched_nll']:.4f}", f"{r['matched_nll'] - base['matched_nll']:+.4f}",
-            f"{r['nll_global']:.4f}", f"{r['nll_global'] - base['nll_global']:+.4f}", f"{r['wall_s']:.0f}",
+            f"{r['nll_global']:.4f}", f"{r['nll_global'] - base['nll_global']:+.4f}",
         ])  # fmt: skip
     return out
 
