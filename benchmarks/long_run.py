@@ -1,19 +1,22 @@
 """Does CIDERS beat FedAvg over many rounds? Six algorithms on three kinds of heterogeneity, a few rounds at a time.
 
-    python benchmarks/long_run.py --rounds 20 --step 2 --out runs/long-run     # stop it and rerun at will
-    python benchmarks/long_run.py --report-only --out runs/long-run            # tables and curves of what ran
+    python benchmarks/long_run.py --settings b --rounds 20 --out runs/long-run   # stop it and rerun at will
+    python benchmarks/long_run.py --settings b --algorithms ciders-fo-no-takd    # an ablation arm beside them
+    python benchmarks/long_run.py --report-only --out runs/long-run              # tables and curves of what ran
 
-Settings (every algorithm shares each one's data, seeds, messenger depth and K):
+Settings (every algorithm shares each one's data, seeds, device profile and K):
   b        Protocol B: five clients, one five_domain domain each, all in every round.
   c0.1     Protocol C: Dolly split over 8 clients by a Dirichlet(0.1) over ``category`` (strong skew).
   c1.0     the same with Dirichlet(1.0).
   partial  20 clients, four per five_domain domain (disjoint records), 5 sampled a round (fixed).
 
-Each (setting, algorithm) is one ``simulate`` study, grown ``--step`` rounds a pass with ``simulate --resume``
-until ``--rounds``, every study to the same round before any goes further, so the curves grow together and
-a stop loses at most the round in flight. Writes ``results/long_run.{json,md}`` and, per setting,
-``results/long_run/<setting>.png`` (matched-domain and global NLL and Delta_cross against rounds, matched
-NLL against bytes).
+Every client runs ``--profile`` (default ``rpi5-8gb``: messenger depth 2, drop ratio 0.5, four sequences a
+step), the smallest edge and the one a 2-core CPU can run for hundreds of rounds. Each (setting,
+algorithm) is one ``simulate`` study, grown ``--step`` rounds a pass with ``simulate --resume`` until
+``--rounds``, the given settings' studies to the same round before any goes further, so that their curves
+grow together and a stop loses at most the round in flight. After each pass it writes, over every study
+under ``--out``, ``results/long_run.{json,md}`` and per setting ``results/long_run/<setting>.png``
+(matched-domain and global NLL and Delta_cross against rounds, matched NLL against bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ from common import RESULTS, data_dir, trainable_lines, write_results  # noqa: E4
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
 SETTINGS = ("b", "c0.1", "c1.0", "partial")
+# The ablation: CIDERS-FO without one of what sets it apart from FedAvg (which is CIDERS-FO without all of
+# them), to find which part pays for its cost. Each arm is CIDERS-FO with these round hyperparameters.
+ABLATIONS = {
+    "ciders-fo-no-takd": {"takd_steps": 0},  # no TAKD of the learnable backbone after each round (eq. 13)
+    "ciders-fo-no-look-ahead": {"eta_in": 0.0},  # the gradient at x_k, not at the look-ahead point (eq. 5-6)
+    "ciders-fo-no-consensus": {"gamma": 0.0},  # no consensus correction in the local steps (eq. 8)
+    "ciders-fo-no-prox": {"eps_prox": 0.0},  # no proximal pull to the round's messenger (eq. 8)
+}
 
 
 def study_config(setting: str, algorithm: str, args: argparse.Namespace):
@@ -38,11 +49,11 @@ def study_config(setting: str, algorithm: str, args: argparse.Namespace):
 
     shared = {
         "model": args.model,
-        "algorithm": algorithm,
+        "algorithm": "ciders-fo" if algorithm in ABLATIONS else algorithm,
+        "hyperparameters": ABLATIONS.get(algorithm, {}),
         "rounds": args.rounds,
         "local_steps": args.local_steps,
-        "messenger_depth": args.messenger_depth,
-        "drop_ratio": 0.2,
+        "profile": args.profile,
         "eval_every": args.eval_every,
         "eval_examples": args.eval_examples,
         "eval_generate": 0,
@@ -52,7 +63,10 @@ def study_config(setting: str, algorithm: str, args: argparse.Namespace):
     five = data_dir("five_domain")
     if setting.startswith("c"):
         dolly = data_dir("dolly15k") / "dolly15k.jsonl"
-        return SimConfig(**shared, data=[str(dolly)], partition=f"dirichlet:{setting[1:]}:category", clients=8)
+        return SimConfig(
+            **shared, data=[str(dolly)], partition=f"dirichlet:{setting[1:]}:category", clients=8,
+            public_data=str(dolly_public(args.out, dolly)),
+        )  # fmt: skip
     per_domain = 1 if setting == "b" else 4
     clients = [DOMAINS[i % len(DOMAINS)] for i in range(len(DOMAINS) * per_domain)]
     data = [str(shard(args.out, d, i // len(DOMAINS), per_domain)) for i, d in enumerate(clients)]
@@ -85,6 +99,17 @@ def public_data(out: Path) -> Path:
     return path
 
 
+def dolly_public(out: Path, dolly: Path) -> Path:
+    """TAKD's data for both Dirichlet settings: every 15th Dolly record (1,000, all categories). One file
+    for both, so that they share one bootstrap; like simulate's default (a sample of the clients' own
+    records), it may hold a few records some client also trains on."""
+    path = out / "dolly-public.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(dolly.read_text().splitlines(keepends=True)[::15]))
+    return path
+
+
 def grow(cfg, out: Path, rounds: int) -> None:
     """Bring the study in ``out`` to ``rounds`` rounds: made by ``simulate``, then ``simulate --resume``."""
     from ciders_cloud.study.resume import resume
@@ -106,26 +131,32 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def curves(out: Path) -> dict:
-    """One study's curves: per evaluated round its matched-domain NLL (the matrix's diagonal), global NLL,
-    Delta_cross and the bytes moved so far; and its median seconds and bytes per round."""
+    """One study's curves: from round 0, per evaluated round its matched-domain NLL (the matrix's diagonal),
+    global NLL, Delta_cross and the bytes moved so far (after round 0's download of the whole bundle, which
+    every algorithm shares); and its median seconds and bytes per round."""
     rows = _metrics(out)
     rounds = [r for r in rows if r["type"] == "round"]
     cum, total = {}, 0
     for r in rounds:
-        total += r["bytes_up"] + r["bytes_down"] * len(r["participants"])
+        total += r["bytes_up"] + (r["bytes_down"] * len(r["participants"]) if r["round"] else 0)
         cum[r["round"]] = total
-    points = []
+    base = [r for r in rows if r["type"] == "baseline"]
+    emu, full = (mean(r[k] for r in base) for k in ("nll_emu", "nll_full")) if base else (None, None)
+    points = (
+        [{"round": 0, "matched": emu, "adapfu": full, "global": emu, "delta_cross": 0.0, "bytes": 0}] if base else []
+    )
     for cross in (r for r in rows if r["type"] == "cross"):
         t = cross["round"]
         evals = [r for r in rows if r["type"] == "eval" and r["round"] == t]
         matched = mean(row[i] for i, row in enumerate(cross["matrix"]))
-        nll_global = mean(r["nll_global"] for r in evals)
-        points.append({"round": t + 1, "matched": matched, "global": nll_global, "delta_cross": cross["delta_cross"]})
-        points[-1]["bytes"] = cum.get(t, 0)
-    base = [r["nll_emu"] for r in rows if r["type"] == "baseline"]
+        points.append({
+            "round": t + 1, "matched": matched, "adapfu": mean(r["nll_full_personal"] for r in evals),
+            "global": mean(r["nll_global"] for r in evals), "delta_cross": cross["delta_cross"], "bytes": cum.get(t, 0),
+        })  # fmt: skip
     return {
         "points": points,
-        "round0_matched": mean(base) if base else None,
+        "round0_matched": emu,
+        "round0_adapfu": full,  # the base model
         "wall_s": median(r["wall_s"] for r in rounds) if rounds else None,
         "bytes_per_round": median(r["bytes_up"] + r["bytes_down"] * len(r["participants"]) for r in rounds)
         if rounds
@@ -136,9 +167,9 @@ def curves(out: Path) -> dict:
 def report(args: argparse.Namespace) -> None:
     """The table (each study at its last evaluation, against FedAvg's at the same round) and the curves."""
     table, payload = [], {}
-    for setting in args.settings.split(","):
-        runs = {a: curves(args.out / setting / a) for a in args.algorithms.split(",")}
-        runs = {a: c for a, c in runs.items() if c["points"]}
+    for setting in SETTINGS:  # every setting and algorithm that has run, whichever this call grew
+        runs = {a: curves(args.out / setting / a) for a in (*ALGORITHMS, *ABLATIONS)}
+        runs = {a: c for a, c in runs.items() if len(c["points"]) > 1}
         payload[setting] = runs
         if not runs:
             continue
@@ -148,14 +179,18 @@ def report(args: argparse.Namespace) -> None:
         for a, p in at.items():
             c = runs[a]
             vs = f"{p['matched'] - ref['matched']:+.4f}" if ref else "-"
+            vs_fu = f"{p['adapfu'] - ref['adapfu']:+.4f}" if ref else "-"
             ratio = f"{c['wall_s'] / runs['fedavg']['wall_s']:.2f}x" if ref else "-"
+            best = min(c["points"], key=lambda q: q["matched"])
             table.append([
-                setting, a, str(common), f"{p['matched']:.4f}", vs, f"{p['global']:.4f}",
-                f"{p['delta_cross']:.4f}" if p["delta_cross"] is not None else "-",
+                setting, a, str(common), f"{p['matched']:.4f}", vs, f"{best['matched']:.4f} ({best['round']})",
+                f"{p['adapfu']:.4f}", vs_fu,
+                f"{p['global']:.4f}", f"{p['delta_cross']:.4f}" if p["delta_cross"] is not None else "-",
                 f"{c['wall_s']:.0f}", ratio, f"{c['bytes_per_round'] / 1e6:.2f}",
             ])  # fmt: skip
         plot(setting, runs, RESULTS / "long_run" / f"{setting}.png")
-    header = ["setting", "algorithm", "round", "matched NLL (pers.)", "vs FedAvg", "global NLL", "Δcross"]
+    header = ["setting", "algorithm", "round", "matched NLL (pers.)", "vs FedAvg", "best (round)"]
+    header += ["AdapFu matched NLL (pers.)", "vs FedAvg", "global NLL", "Δcross"]
     header += ["s / round", "vs FedAvg", "MB / round"]
     write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header)
 
@@ -170,17 +205,22 @@ def plot(setting: str, runs: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    panels = [("round", "matched", "matched-domain NLL (personalized)"), ("round", "global", "global NLL")]
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3.6))
+    panels = [("round", "matched", "matched-domain NLL (personalized)")]
+    panels += [("round", "adapfu", "the same on AdapFu (full backbone)"), ("round", "global", "global NLL")]
     panels += [("round", "delta_cross", "Δcross"), ("bytes", "matched", "matched-domain NLL against bytes")]
     scale = {"round": 1, "bytes": 1e6}
     for ax, (x, y, title) in zip(axes, panels, strict=True):
         for a, c in runs.items():
             pts = [(p[x] / scale[x], p[y]) for p in c["points"] if p[y] is not None]
-            ax.plot([u for u, _ in pts], [v for _, v in pts], marker=".", label=a)
-        if y == "matched" and (base := next(iter(runs.values()))["round0_matched"]) is not None:
-            ax.axhline(base, color="gray", linestyle=":", label="round 0")
-        ax.set(title=f"{setting}: {title}", xlabel="MB moved (up + down)" if x == "bytes" else "rounds")
+            style = "--" if a in ABLATIONS else "-"
+            ax.plot([u for u, _ in pts], [v for _, v in pts], style, marker=".", label=a)
+        if y in ("matched", "adapfu") and (base := next(iter(runs.values()))[f"round0_{y}"]) is not None:
+            ax.axhline(base, color="gray", linestyle=":", label="round 0" if y == "matched" else "base model")
+        ax.set(
+            title=f"{setting}: {title}",
+            xlabel="MB moved after round 0's bundle (up + down)" if x == "bytes" else "rounds",
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,11 +232,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/long-run"))
     ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"also: {', '.join(ABLATIONS)}")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--step", type=int, default=2, help="rounds every study gains a pass")
     ap.add_argument("--local-steps", type=int, default=5, help="K, shared by every algorithm")
-    ap.add_argument("--messenger-depth", type=int, default=6)
+    ap.add_argument("--profile", default="rpi5-8gb", help="every client's device profile (its depth and drop ratio)")
     ap.add_argument("--max-records", type=int, default=64, help="training records per client")
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--eval-examples", type=int, default=8)
