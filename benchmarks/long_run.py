@@ -11,12 +11,13 @@ Settings (every algorithm shares each one's data, seeds, device profile and K):
   partial  20 clients, four per five_domain domain (disjoint records), 5 sampled a round (fixed).
 
 Every client runs ``--profile`` (default ``rpi5-8gb``: messenger depth 2, drop ratio 0.5, four sequences a
-step), the smallest edge and the one a 2-core CPU can run for hundreds of rounds. Each (setting,
+step), the smallest edge and the cheapest to simulate for many rounds. Each (setting,
 algorithm) is one ``simulate`` study, grown ``--step`` rounds a pass with ``simulate --resume`` until
 ``--rounds``, the given settings' studies to the same round before any goes further, so that their curves
 grow together and a stop loses at most the round in flight. After each pass it writes, over every study
 under ``--out``, ``results/long_run.{json,md}`` and per setting ``results/long_run/<setting>.png``
-(matched-domain and global NLL and Delta_cross against rounds, matched NLL against bytes).
+(matched-domain NLL on the AdapEmu and on AdapFu, global NLL and Delta_cross against rounds, matched NLL
+against bytes).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def public_data(out: Path) -> Path:
 
 
 def dolly_public(out: Path, dolly: Path) -> Path:
-    """TAKD's data for both Dirichlet settings: every 15th Dolly record (1,000, all categories). One file
+    """TAKD's data for both Dirichlet settings: every 15th Dolly record (about 1,000, all categories). One file
     for both, so that they share one bootstrap; like simulate's default (a sample of the clients' own
     records), it may hold a few records some client also trains on."""
     path = out / "dolly-public.jsonl"
