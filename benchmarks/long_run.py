@@ -139,7 +139,7 @@ def curves(out: Path) -> dict:
     rounds = [r for r in rows if r["type"] == "round"]
     cum, total = {}, 0
     for r in rounds:
-        total += r["bytes_up"] + (r["bytes_down"] * len(r["participants"]) if r["round"] else 0)
+        total += _moved(r) if r["round"] else r["bytes_up"]
         cum[r["round"]] = total
     base = [r for r in rows if r["type"] == "baseline"]
     emu, full = (mean(r[k] for r in base) for k in ("nll_emu", "nll_full")) if base else (None, None)
@@ -159,10 +159,13 @@ def curves(out: Path) -> dict:
         "round0_matched": emu,
         "round0_adapfu": full,  # the base model
         "wall_s": median(r["wall_s"] for r in rounds) if rounds else None,
-        "bytes_per_round": median(r["bytes_up"] + r["bytes_down"] * len(r["participants"]) for r in rounds)
-        if rounds
-        else None,
+        "bytes_per_round": median(_moved(r) for r in rounds) if rounds else None,
     }
+
+
+def _moved(r: dict) -> int:
+    """A round record's bytes: every packet up, and the bundle (or its delta) down to each participant."""
+    return r["bytes_up"] + r["bytes_down"] * len(r["participants"])
 
 
 def report(args: argparse.Namespace) -> None:
