@@ -169,38 +169,69 @@ def _moved(r: dict) -> int:
 
 
 def report(args: argparse.Namespace) -> None:
-    """The table (each study at its last evaluation, against FedAvg's at the same round) and the curves."""
-    table, payload = [], {}
+    """The table (each study at the six algorithms' last common evaluation, against FedAvg's there), the
+    ablation's (each arm at its last evaluation, against CIDERS-FO's and FedAvg's there) and the curves."""
+    table, ablation, payload = [], [], {}
     for setting in SETTINGS:  # every setting and algorithm that has run, whichever this call grew
         runs = {a: curves(args.out / setting / a) for a in (*ALGORITHMS, *ABLATIONS)}
         runs = {a: c for a, c in runs.items() if len(c["points"]) > 1}
         payload[setting] = runs
         if not runs:
             continue
-        common = min(c["points"][-1]["round"] for c in runs.values())
-        at = {a: next(p for p in c["points"] if p["round"] == common) for a, c in runs.items() if _has(c, common)}
-        ref = at.get("fedavg")
-        for a, p in at.items():
-            c = runs[a]
-            vs = f"{p['matched'] - ref['matched']:+.4f}" if ref else "-"
-            vs_fu = f"{p['adapfu'] - ref['adapfu']:+.4f}" if ref else "-"
-            ratio = f"{c['wall_s'] / runs['fedavg']['wall_s']:.2f}x" if ref else "-"
-            best = min(c["points"], key=lambda q: q["matched"])
-            table.append([
-                setting, a, str(common), f"{p['matched']:.4f}", vs, f"{best['matched']:.4f} ({best['round']})",
-                f"{p['adapfu']:.4f}", vs_fu,
-                f"{p['global']:.4f}", f"{p['delta_cross']:.4f}" if p["delta_cross"] is not None else "-",
-                f"{c['wall_s']:.0f}", ratio, f"{c['bytes_per_round'] / 1e6:.2f}",
-            ])  # fmt: skip
+        last = {a: c["points"][-1]["round"] for a, c in runs.items()}
+        common = min((t for a, t in last.items() if a in ALGORITHMS), default=max(last.values()))
+        for a, c in runs.items():
+            if a in ALGORITHMS and _at(c, common):
+                table.append(_row(setting, a, runs, common))
+            elif a in ABLATIONS:
+                ablation.append(_ablation_row(setting, a, runs, min(last[a], common)))
         plot(setting, runs, RESULTS / "long_run" / f"{setting}.png")
     header = ["setting", "algorithm", "round", "matched NLL (pers.)", "vs FedAvg", "best (round)"]
     header += ["AdapFu matched NLL (pers.)", "vs FedAvg", "global NLL", "Δcross"]
     header += ["s / round", "vs FedAvg", "MB / round"]
-    write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header)
+    notes = ""
+    if ablation:
+        head = ["setting", "arm", "round", "matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg"]
+        head += ["AdapFu matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg", "s / round", "vs CIDERS-FO"]
+        notes = "\n".join(["## Ablation of CIDERS-FO", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)])
+        notes += "\n" + "\n".join("| " + " | ".join(row) + " |" for row in ablation)
+    write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
 
 
-def _has(c: dict, round_: int) -> bool:
-    return any(p["round"] == round_ for p in c["points"])
+def _row(setting: str, a: str, runs: dict, t: int) -> list[str]:
+    """One algorithm's row of the table at round ``t``, against FedAvg's there."""
+    c, p, ref = runs[a], _at(runs[a], t), _at(runs.get("fedavg"), t)
+    best = min(c["points"], key=lambda q: q["matched"])
+    return [
+        setting, a, str(t), f"{p['matched']:.4f}", _vs(p, ref, "matched"), f"{best['matched']:.4f} ({best['round']})",
+        f"{p['adapfu']:.4f}", _vs(p, ref, "adapfu"),
+        f"{p['global']:.4f}", f"{p['delta_cross']:.4f}" if p["delta_cross"] is not None else "-",
+        f"{c['wall_s']:.0f}", _ratio(c, runs.get("fedavg")), f"{c['bytes_per_round'] / 1e6:.2f}",
+    ]  # fmt: skip
+
+
+def _ablation_row(setting: str, a: str, runs: dict, t: int) -> list[str]:
+    """One ablation arm's row at round ``t``, against CIDERS-FO's and FedAvg's there."""
+    c, p = runs[a], _at(runs[a], t)
+    fo, ref = _at(runs.get("ciders-fo"), t), _at(runs.get("fedavg"), t)
+    return [
+        setting, a, str(t), f"{p['matched']:.4f}", _vs(p, fo, "matched"), _vs(p, ref, "matched"),
+        f"{p['adapfu']:.4f}", _vs(p, fo, "adapfu"), _vs(p, ref, "adapfu"),
+        f"{c['wall_s']:.0f}", _ratio(c, runs.get("ciders-fo")),
+    ]  # fmt: skip
+
+
+def _at(c: dict | None, round_: int) -> dict | None:
+    """A study's evaluation at ``round_`` (None: it has none there)."""
+    return next((p for p in c["points"] if p["round"] == round_), None) if c else None
+
+
+def _vs(p: dict, ref: dict | None, key: str) -> str:
+    return f"{p[key] - ref[key]:+.4f}" if ref else "-"
+
+
+def _ratio(c: dict, ref: dict | None) -> str:
+    return f"{c['wall_s'] / ref['wall_s']:.2f}x" if ref else "-"
 
 
 def plot(setting: str, runs: dict, path: Path) -> None:

@@ -1,0 +1,55 @@
+"""benchmarks/long_run.py's report on studies' metrics.jsonl: which round each row is read at, and against what."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import common  # noqa: E402
+import long_run  # noqa: E402
+
+
+def _study(out: Path, rounds: int, nll: float, wall_s: float) -> None:
+    """A two-client study's metrics, evaluated every 2 rounds; its matched NLL at round t is ``nll - t/100``."""
+    rows = [{"type": "baseline", "nll_emu": 3.0, "nll_full": 2.0} for _ in range(2)]
+    for t in range(rounds):
+        rows.append({"type": "round", "round": t, "wall_s": wall_s, "participants": ["a", "b"]})
+        rows[-1] |= {"bytes_up": 10, "bytes_down": 100}
+        if t % 2 == 1:
+            m = nll - (t + 1) / 100
+            rows.append({"type": "cross", "round": t, "matrix": [[m, 9.0], [9.0, m]], "delta_cross": 0.5})
+            rows += [{"type": "eval", "round": t, "nll_full_personal": m - 1, "nll_global": m + 1} for _ in "ab"]
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(long_run, "RESULTS", tmp_path / "results")
+    return tmp_path / "results"
+
+
+def test_report_reads_the_table_at_the_common_round_and_each_ablation_arm_at_its_own(tmp_path, results):
+    runs = tmp_path / "runs"
+    _study(runs / "b" / "fedavg", rounds=6, nll=3.0, wall_s=40)
+    _study(runs / "b" / "ciders-fo", rounds=4, nll=2.9, wall_s=60)
+    _study(runs / "b" / "ciders-fo-no-takd", rounds=2, nll=2.95, wall_s=45)  # behind: must not pull the table back
+    long_run.report(long_run.argparse.Namespace(out=runs))
+    md = (results / "long_run.md").read_text()
+    table = {row.split(" | ")[1]: row.split(" | ") for row in md.splitlines() if row.startswith("| b |")}
+    assert table["ciders-fo"][2:5] == ["4", "2.8600", "-0.1000"]  # at round 4, the last both main studies reached
+    assert table["fedavg"][2:5] == ["4", "2.9600", "+0.0000"]
+    assert table["ciders-fo"][11] == "1.50x"
+    arm = table["ciders-fo-no-takd"]  # at round 2: vs CIDERS-FO (2.88) and FedAvg (2.98) there
+    assert arm[2:6] == ["2", "2.9300", "+0.0500", "-0.0500"]
+    assert arm[10].strip(" |") == "0.75x"
+    assert (results / "long_run" / "b.png").stat().st_size > 0
+    saved = json.loads((results / "long_run.json").read_text())
+    assert saved["settings"]["b"]["ciders-fo"]["points"][0] == {
+        "round": 0, "matched": 3.0, "adapfu": 2.0, "global": 3.0, "delta_cross": 0.0, "bytes": 0,
+    }  # fmt: skip
