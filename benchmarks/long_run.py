@@ -38,6 +38,7 @@ SETTINGS = ("b", "c0.1", "c1.0", "partial")
 # them), to find which part pays for its cost. Each arm is CIDERS-FO with these round hyperparameters.
 ABLATIONS = {
     "ciders-fo-no-takd": {"takd_steps": 0},  # no TAKD of the learnable backbone after each round (eq. 13)
+    "ciders-fo-no-task-ce": {"takd_lambda_task": 0.0},  # that TAKD without task CE (eq. 2), as FedBiOT's
     "ciders-fo-no-look-ahead": {"eta_in": 0.0},  # the gradient at x_k, not at the look-ahead point (eq. 5-6)
     "ciders-fo-no-consensus": {"gamma": 0.0},  # no consensus correction in the local steps (eq. 8)
     "ciders-fo-no-prox": {"eps_prox": 0.0},  # no proximal pull to the round's messenger (eq. 8)

@@ -64,6 +64,7 @@ class RoundHyperparams(ConfigMixin):
     eta_hvp: float = 1e-3
     tau: float = 1.0  # server step on the aggregated displacement
     takd_steps: int = 5  # T_L warm-started TAKD steps per round on the cloud
+    takd_lambda_task: float | None = None  # their task-CE weight; None: the run's `takd.lambda_task` (absent then)
     start_from: str = "global"  # x_0: the global messenger v, or this client's own (local-only baselines)
     bilevel: dict | None = None  # BilevelAsk's keys, set by FedNest and LFedNest only (absent from other bundles)
     # differential privacy clipped on the edge: the L2 bound C of Delta_i before eq. (10) (absent from other bundles)
@@ -80,6 +81,8 @@ class RoundHyperparams(ConfigMixin):
         for name in ("gamma", "eps_prox", "tau", "weight_decay", "clip", "eta_hvp"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must not be negative, got {getattr(self, name)}.")
+        if self.takd_lambda_task is not None and not 0 <= self.takd_lambda_task < math.inf:
+            raise ConfigError(f"`takd_lambda_task` must be a non-negative number, got {self.takd_lambda_task}.")
         if self.displacement_clip is not None and not 0 < self.displacement_clip < math.inf:
             raise ConfigError(f"`displacement_clip` must be a positive number, got {self.displacement_clip}.")
 
@@ -95,7 +98,7 @@ class RoundHyperparams(ConfigMixin):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for key in ("bilevel", "displacement_clip"):  # asks of some runs only: other bundles hold no such key
+        for key in ("bilevel", "displacement_clip", "takd_lambda_task"):  # of some runs only: others hold no such key
             if out[key] is None:
                 del out[key]
         return out

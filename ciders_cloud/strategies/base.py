@@ -85,4 +85,4 @@ class Strategy:
 
     def takd(self, hp: RoundHyperparams) -> tuple[int, float | None]:
         """TAKD steps after aggregation and the task-CE weight to use (``None``: the run's)."""
-        return hp.takd_steps, None
+        return hp.takd_steps, hp.takd_lambda_task

@@ -77,7 +77,7 @@ class FedNest(FedAvg):
         return h, {"grad_x_norm": norm(grad_x), "hypergradient_norm": norm(h), "bilevel": info}
 
     def takd(self, hp):
-        return hp.takd_steps, None
+        return hp.takd_steps, hp.takd_lambda_task
 
     def _indirect(self, grad_y: Tensors, cloud: CloudRound) -> tuple[Tensors, dict]:
         """``-grad_xy g p_N`` at the round's (x, y), on the one learnable backbone FedNest runs."""

@@ -86,6 +86,15 @@ def test_what_each_strategy_ships_and_distils(name, shipped, takd):
     assert written.bilevel == hp.bilevel  # a hand-written ask reaches no bundle: the strategy decides it
 
 
+def test_a_round_sets_its_takd_task_ce_weight_and_no_bundle_names_it_unset():
+    hp = HP.replace(takd_lambda_task=0.0)  # CIDERS' per-round TAKD with FedBiOT's loss (long_run.py's ablation)
+    assert get_strategy("ciders-fo").takd(hp) == (3, 0.0) and get_strategy("fednest").takd(hp) == (3, 0.0)
+    assert get_strategy("fedbiot").takd(HP.replace(takd_lambda_task=2.0)) == (3, 0.0)  # FedBiOT's is its own
+    assert "takd_lambda_task" not in HP.to_dict() and hp.to_dict()["takd_lambda_task"] == 0.0
+    with pytest.raises(ConfigError, match="`takd_lambda_task` must be a non-negative number, got -1.0"):
+        HP.replace(takd_lambda_task=-1.0)
+
+
 def test_protocol_c_schedules_gamma_and_an_unknown_name_is_refused():
     assert get_strategy("ciders-fo").round_hyperparams(HP, 0, "protocol-c").gamma == 0.9
     assert get_strategy("ciders-fo").round_hyperparams(HP, 3, "protocol-c").gamma == pytest.approx(0.9 * 0.86**2)
