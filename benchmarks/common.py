@@ -55,6 +55,11 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a markdown table."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def write_results(name: str, payload: dict, table: list[list[str]], header: list[str], notes: str = "") -> Path:
     """Write ``results/NAME.json`` and ``results/NAME.md`` with commit, machine and command line."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -68,8 +73,7 @@ def write_results(name: str, payload: dict, table: list[list[str]], header: list
         f"- machine: {meta['machine']}",
         "",
     ]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in table]
+    lines += markdown_table(header, table)
     if notes:
         lines += ["", notes]
     path = RESULTS / f"{name}.md"

@@ -29,7 +29,7 @@ from pathlib import Path
 from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, data_dir, trainable_lines, write_results  # noqa: E402
+from common import RESULTS, data_dir, markdown_table, trainable_lines, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
@@ -194,8 +194,7 @@ def report(args: argparse.Namespace) -> None:
     if ablation:
         head = ["setting", "arm", "round", "matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg"]
         head += ["AdapFu matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg", "s / round", "vs CIDERS-FO"]
-        notes = "\n".join(["## Ablation of CIDERS-FO", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)])
-        notes += "\n" + "\n".join("| " + " | ".join(row) + " |" for row in ablation)
+        notes = "\n".join(["## Ablation of CIDERS-FO", "", *markdown_table(head, ablation)])
     write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ciders_cloud.round.aggregation import weighted_sum
-from ciders_cloud.strategies.base import CloudRound
+from ciders_cloud.strategies.base import CloudRound, Strategy
 from ciders_cloud.strategies.bilevel import cloud_indirect_term
 from ciders_cloud.strategies.fedavg import FedAvg
 from ciders_edge.config import ConfigMixin
@@ -76,8 +76,7 @@ class FedNest(FedAvg):
         h = add(grad_x, q)
         return h, {"grad_x_norm": norm(grad_x), "hypergradient_norm": norm(h), "bilevel": info}
 
-    def takd(self, hp):
-        return hp.takd_steps, hp.takd_lambda_task
+    takd = Strategy.takd  # the reference's per-round TAKD, which FedAvg turns off
 
     def _indirect(self, grad_y: Tensors, cloud: CloudRound) -> tuple[Tensors, dict]:
         """``-grad_xy g p_N`` at the round's (x, y), on the one learnable backbone FedNest runs."""
