@@ -24,11 +24,11 @@ from ciders_cloud.privacy import PrivateRelease
 from ciders_cloud.round.aggregation import layer_means, participation_weights, reconstruct_displacement
 from ciders_cloud.round.bundles import write_bundles
 from ciders_cloud.round.intake import Received, check_displacements, check_round, client_consensus, read_packets
-from ciders_cloud.run.config import RunConfig, load_run
+from ciders_cloud.run.config import RunConfig, TakdConfig, load_run
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.logs import fidelity_record, write_round_log
 from ciders_cloud.run.server_state import ServerState
-from ciders_cloud.strategies import CloudRound, round_hyperparams_for, strategy_for
+from ciders_cloud.strategies import CloudRound, round_hyperparams_for, round_takd, strategy_for
 from ciders_edge.errors import PacketError
 from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.formats.packet import PROBE_KIND
@@ -183,7 +183,8 @@ def _commit(
     strategy = strategy_for(run)
     v, c = strategy.server_step(state.messenger, state.consensus, mean, hp)  # (12), per layer
     _check_finite({"v": v, "c": c}, f"round {state.round}")
-    takd = {name: _distill(models, v, run, state, *strategy.takd(hp)) for name, models in backbones.items()}  # (13)
+    steps, loss = round_takd(run, state.round)
+    takd = {name: _distill(models, v, run, state, steps, loss) for name, models in backbones.items()}  # (13)
     reference = takd[next(iter(takd))]
     summary = {
         "round": state.round,
@@ -287,7 +288,7 @@ class Distilled:
 
 
 def _distill(
-    models: CloudModels, v: Tensors, run: RunConfig, state: ServerState, steps: int, lambda_task: float | None
+    models: CloudModels, v: Tensors, run: RunConfig, state: ServerState, steps: int, loss: TakdConfig
 ) -> Distilled:
     """Eq. (13) on one learnable backbone: T_L warm-started TAKD steps with the new messenger ``v`` held
     fixed (none for some baselines), then the emulator's fidelity to AdapFu under that messenger."""
@@ -297,8 +298,7 @@ def _distill(
     optimizer = backbone_part(run, state.optimizer, models.name)
     if not steps:
         return Distilled([], optimizer, state.takd_step, measure_fidelity(models, held), time.perf_counter() - started)
-    takd = run.takd_config.replace(lambda_task=lambda_task)
-    distiller = Distiller(models, public, takd, optimizer, state.takd_step, run.seed)
+    distiller = Distiller(models, public, loss, optimizer, state.takd_step, run.seed)
     records = distiller.run(steps, round_=state.round, label=label(run, models.name, f"round {state.round} TAKD"))
     _check_finite(models.backbone_state(), f"round {state.round}: backbone {models.name}'s LoRA after TAKD")
     fidelity = measure_fidelity(models, held)

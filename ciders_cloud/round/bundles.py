@@ -13,10 +13,10 @@ from ciders_cloud.models.fidelity import Fidelity
 from ciders_cloud.models.layers import profile_spec
 from ciders_cloud.models.teacher import CloudModels
 from ciders_cloud.privacy import PrivateRelease
-from ciders_cloud.run.config import RunConfig, backbone_name
+from ciders_cloud.run.config import RunConfig, TakdConfig, backbone_name
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
-from ciders_cloud.strategies import round_hyperparams_for
+from ciders_cloud.strategies import round_hyperparams_for, round_takd
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle, BundleContents
 from ciders_edge.model.lora import peft_config
@@ -24,7 +24,7 @@ from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import DeviceProfile, estimate_memory
 from ciders_edge.progress import console
 
-__all__ = ["write_bundles", "bundle_contents", "deployments", "TAKD_LOSS_KEYS"]
+__all__ = ["write_bundles", "bundle_contents", "bundle_takd_loss", "deployments", "TAKD_LOSS_KEYS"]
 
 TAKD_LOSS_KEYS = ("hidden_loss", "lambda_hidden", "lambda_out", "lambda_task", "task_loss")  # shown in manifests
 
@@ -60,7 +60,7 @@ def bundle_contents(
     hp = round_hyperparams_for(run, state.round).replace(
         batch_size=profile.batch_size, seq_len=profile.seq_len, grad_accum=profile.grad_accum
     )
-    deploy, takd = _deployment(run, profile, split), run.takd_config
+    deploy, takd = _deployment(run, profile, split), bundle_takd_loss(run, state.round)
     manifest = {
         "round": state.round,
         "run_id": run.run_id,
@@ -97,6 +97,13 @@ def bundle_contents(
         full_config=models.teacher.config if full is not None else None,
         storage=run.storage or profile.storage,
     )
+
+
+def bundle_takd_loss(run: RunConfig, round_: int) -> TakdConfig:
+    """The loss that last distilled round ``round_``'s backbone: round ``round_ - 1``'s eq. (13) (FedBiOT's
+    has no task CE), or prepare's bootstrap (round 0, or a strategy that runs no TAKD)."""
+    steps, loss = round_takd(run, round_ - 1) if round_ else (0, run.takd_config)
+    return loss if steps else run.takd_config
 
 
 def _previous_bundle(run_dir: Path, profile: str, round_: int) -> Bundle | None:

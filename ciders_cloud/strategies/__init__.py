@@ -19,7 +19,7 @@ from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
 
 if TYPE_CHECKING:
-    from ciders_cloud.run.config import RunConfig
+    from ciders_cloud.run.config import RunConfig, TakdConfig
 
 __all__ = [
     "Strategy",
@@ -29,6 +29,7 @@ __all__ = [
     "get_strategy",
     "strategy_for",
     "round_hyperparams_for",
+    "round_takd",
 ]
 
 STRATEGIES: dict[str, Strategy] = {
@@ -55,3 +56,10 @@ def round_hyperparams_for(run: RunConfig, round_: int) -> RoundHyperparams:
     hp = strategy_for(run).round_hyperparams(hp, round_, run.gamma_schedule)
     dp = run.privacy
     return hp.replace(displacement_clip=dp.clip) if dp is not None and dp.clip_on == "edge" else hp
+
+
+def round_takd(run: RunConfig, round_: int) -> tuple[int, TakdConfig]:
+    """Round ``round_``'s eq. (13) as its strategy runs it: TAKD steps, and the run's TAKD loss with the
+    round's task-CE weight (FedBiOT's 0, or ``takd_lambda_task``)."""
+    steps, lambda_task = strategy_for(run).takd(round_hyperparams_for(run, round_))
+    return steps, run.takd_config.replace(lambda_task=lambda_task)

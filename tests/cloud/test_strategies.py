@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from ciders_cloud.round.aggregation import layer_means
+from ciders_cloud.round.bundles import bundle_takd_loss
+from ciders_cloud.run.config import RunConfig
 from ciders_cloud.strategies import STRATEGIES, get_strategy
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
@@ -93,6 +95,17 @@ def test_a_round_sets_its_takd_task_ce_weight_and_no_bundle_names_it_unset():
     assert "takd_lambda_task" not in HP.to_dict() and hp.to_dict()["takd_lambda_task"] == 0.0
     with pytest.raises(ConfigError, match="`takd_lambda_task` must be a non-negative number, got -1.0"):
         HP.replace(takd_lambda_task=-1.0)
+
+
+def test_a_bundle_names_the_takd_loss_that_distilled_its_backbone():
+    def task_ce(algorithm: str, round_: int, **hp) -> float:
+        run = RunConfig(algorithm=algorithm, hyperparameters=HP.replace(**hp).to_dict())
+        return bundle_takd_loss(run, round_).lambda_task
+
+    assert task_ce("ciders-fo", 0) == task_ce("ciders-fo", 3) == 1.0  # the run's, as prepare's bootstrap
+    assert task_ce("fedbiot", 0) == 1.0 and task_ce("fedbiot", 1) == 0.0  # round 0's backbone is the bootstrap's
+    assert task_ce("ciders-fo", 2, takd_lambda_task=0.0) == 0.0  # long_run.py's ciders-fo-no-task-ce
+    assert task_ce("fedavg", 5) == task_ce("ciders-fo", 5, takd_steps=0, takd_lambda_task=0.0) == 1.0  # no TAKD ran
 
 
 def test_protocol_c_schedules_gamma_and_an_unknown_name_is_refused():
