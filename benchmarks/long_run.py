@@ -16,20 +16,22 @@ algorithm) is one ``simulate`` study, grown ``--step`` rounds a pass with ``simu
 ``--rounds``, the given settings' studies to the same round before any goes further, so that their curves
 grow together and a stop loses at most the round in flight. After each pass it writes, over every study
 under ``--out``, ``results/long_run.{json,md}`` and per setting ``results/long_run/<setting>.png``
-(matched-domain NLL on the AdapEmu and on AdapFu, global NLL and Delta_cross against rounds, matched NLL
-against bytes).
+(matched-domain NLL on the AdapEmu and on AdapFu, the global messenger's on both, Delta_cross against rounds,
+matched NLL against bytes). A study whose folder is gone (machines are not kept between sessions) keeps the
+curves the last report recorded for it, with the command and commit that ran it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, data_dir, markdown_table, trainable_lines, write_results  # noqa: E402
+from common import RESULTS, commit, data_dir, markdown_table, trainable_lines, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
@@ -144,16 +146,16 @@ def curves(out: Path) -> dict:
         cum[r["round"]] = total
     base = [r for r in rows if r["type"] == "baseline"]
     emu, full = (mean(r[k] for r in base) for k in ("nll_emu", "nll_full")) if base else (None, None)
-    points = (
-        [{"round": 0, "matched": emu, "adapfu": full, "global": emu, "delta_cross": 0.0, "bytes": 0}] if base else []
-    )
+    first = {"round": 0, "matched": emu, "adapfu": full, "global": emu, "adapfu_global": full, "delta_cross": 0.0}
+    points = [{**first, "bytes": 0}] if base else []
     for cross in (r for r in rows if r["type"] == "cross"):
         t = cross["round"]
         evals = [r for r in rows if r["type"] == "eval" and r["round"] == t]
         matched = mean(row[i] for i, row in enumerate(cross["matrix"]))
         points.append({
             "round": t + 1, "matched": matched, "adapfu": mean(r["nll_full_personal"] for r in evals),
-            "global": mean(r["nll_global"] for r in evals), "delta_cross": cross["delta_cross"], "bytes": cum.get(t, 0),
+            "global": mean(r["nll_global"] for r in evals), "adapfu_global": mean(r["nll_full_global"] for r in evals),
+            "delta_cross": cross["delta_cross"], "bytes": cum.get(t, 0),
         })  # fmt: skip
     return {
         "points": points,
@@ -173,9 +175,11 @@ def report(args: argparse.Namespace) -> None:
     """The table (each study at the six algorithms' last common evaluation, against FedAvg's there), the
     ablation's (each arm at its last evaluation, against CIDERS-FO's and FedAvg's there) and the curves."""
     table, ablation, payload = [], [], {}
+    recorded, here = _recorded(), {"command": shlex.join(sys.argv), "commit": commit()}
     for setting in SETTINGS:  # every setting and algorithm that has run, whichever this call grew
-        runs = {a: curves(args.out / setting / a) for a in (*ALGORITHMS, *ABLATIONS)}
-        runs = {a: c for a, c in runs.items() if len(c["points"]) > 1}
+        runs = {a: _latest(curves(args.out / setting / a), recorded.get(setting, {}).get(a), here) for a in
+                (*ALGORITHMS, *ABLATIONS)}  # fmt: skip
+        runs = {a: c for a, c in runs.items() if c is not None}
         payload[setting] = runs
         if not runs:
             continue
@@ -188,14 +192,38 @@ def report(args: argparse.Namespace) -> None:
                 ablation.append(_ablation_row(setting, a, runs, min(last[a], common)))
         plot(setting, runs, RESULTS / "long_run" / f"{setting}.png")
     header = ["setting", "algorithm", "round", "matched NLL (pers.)", "vs FedAvg", "best (round)"]
-    header += ["AdapFu matched NLL (pers.)", "vs FedAvg", "global NLL", "Δcross"]
+    header += ["AdapFu matched NLL (pers.)", "vs FedAvg", "global NLL", "AdapFu global NLL", "Δcross"]
     header += ["s / round", "vs FedAvg", "MB / round"]
-    notes = ""
+    notes = []
     if ablation:
         head = ["setting", "arm", "round", "matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg"]
         head += ["AdapFu matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg", "s / round", "vs CIDERS-FO"]
-        notes = "\n".join(["## Ablation of CIDERS-FO", "", *markdown_table(head, ablation)])
+        notes += ["## Ablation of CIDERS-FO", "", *markdown_table(head, ablation), ""]
+    notes += ["## Where each setting's studies ran", ""]
+    for setting, runs in payload.items():
+        sources = {(c["source"]["command"], c["source"]["commit"]) for c in runs.values()}
+        notes += [f"- {setting}: " + "; ".join(f"`{cmd}` at {sha}" for cmd, sha in sorted(sources))] if runs else []
+    notes = "\n".join(notes)
     write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
+
+
+def _recorded() -> dict:
+    """The curves the last report wrote (``results/long_run.json``), each with the command and commit it
+    came from: a study folder lost with its machine keeps its place in the report."""
+    path = RESULTS / "long_run.json"
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    old = {"command": saved["command"], "commit": saved["commit"]}  # before curves carried their own
+    return {s: {a: {"source": old, **c} for a, c in runs.items()} for s, runs in saved["settings"].items()}
+
+
+def _latest(live: dict, recorded: dict | None, here: dict) -> dict | None:
+    """A study's curves: those of its folder under ``--out``, unless the report's record of it reaches
+    further (its folder was lost, or started over)."""
+    if len(live["points"]) > 1 and (recorded is None or live["points"][-1]["round"] >= recorded["points"][-1]["round"]):
+        return {**live, "source": here}
+    return recorded
 
 
 def _row(setting: str, a: str, runs: dict, t: int) -> list[str]:
@@ -205,7 +233,8 @@ def _row(setting: str, a: str, runs: dict, t: int) -> list[str]:
     return [
         setting, a, str(t), f"{p['matched']:.4f}", _vs(p, ref, "matched"), f"{best['matched']:.4f} ({best['round']})",
         f"{p['adapfu']:.4f}", _vs(p, ref, "adapfu"),
-        f"{p['global']:.4f}", f"{p['delta_cross']:.4f}" if p["delta_cross"] is not None else "-",
+        f"{p['global']:.4f}", f"{p['adapfu_global']:.4f}" if p.get("adapfu_global") is not None else "-",
+        f"{p['delta_cross']:.4f}" if p["delta_cross"] is not None else "-",
         f"{c['wall_s']:.0f}", _ratio(c, runs.get("fedavg")), f"{c['bytes_per_round'] / 1e6:.2f}",
     ]  # fmt: skip
 
@@ -242,14 +271,17 @@ def plot(setting: str, runs: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 5, figsize=(20, 3.6))
     panels = [("round", "matched", "matched-domain NLL (personalized)")]
-    panels += [("round", "adapfu", "the same on AdapFu (full backbone)"), ("round", "global", "global NLL")]
+    panels += [("round", "adapfu", "on AdapFu (full backbone); dotted: global"), ("round", "global", "global NLL")]
     panels += [("round", "delta_cross", "Δcross"), ("bytes", "matched", "matched-domain NLL against bytes")]
     scale = {"round": 1, "bytes": 1e6}
     for ax, (x, y, title) in zip(axes, panels, strict=True):
         for a, c in runs.items():
             pts = [(p[x] / scale[x], p[y]) for p in c["points"] if p[y] is not None]
             style = "--" if a in ABLATIONS else "-"
-            ax.plot([u for u, _ in pts], [v for _, v in pts], style, marker=".", label=a)
+            (line,) = ax.plot([u for u, _ in pts], [v for _, v in pts], style, marker=".", label=a)
+            if y == "adapfu":  # the global messenger on AdapFu beside it: does personalizing pay on the device?
+                pts = [(p["round"], p["adapfu_global"]) for p in c["points"] if p.get("adapfu_global") is not None]
+                ax.plot([u for u, _ in pts], [v for _, v in pts], ":", color=line.get_color())
         if y in ("matched", "adapfu") and (base := next(iter(runs.values()))[f"round0_{y}"]) is not None:
             ax.axhline(base, color="gray", linestyle=":", label="round 0" if y == "matched" else "base model")
         ax.set(

@@ -22,7 +22,8 @@ def _study(out: Path, rounds: int, nll: float, wall_s: float) -> None:
         if t % 2 == 1:
             m = nll - (t + 1) / 100
             rows.append({"type": "cross", "round": t, "matrix": [[m, 9.0], [9.0, m]], "delta_cross": 0.5})
-            rows += [{"type": "eval", "round": t, "nll_full_personal": m - 1, "nll_global": m + 1} for _ in "ab"]
+            rows += [{"type": "eval", "round": t, "nll_full_personal": m - 1, "nll_full_global": m - 0.5,
+                      "nll_global": m + 1} for _ in "ab"]  # fmt: skip
     out.mkdir(parents=True)
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -44,12 +45,36 @@ def test_report_reads_the_table_at_the_common_round_and_each_ablation_arm_at_its
     table = {row.split(" | ")[1]: row.split(" | ") for row in md.splitlines() if row.startswith("| b |")}
     assert table["ciders-fo"][2:5] == ["4", "2.8600", "-0.1000"]  # at round 4, the last both main studies reached
     assert table["fedavg"][2:5] == ["4", "2.9600", "+0.0000"]
-    assert table["ciders-fo"][11] == "1.50x"
+    assert table["ciders-fo"][9] == "2.3600" and table["ciders-fo"][12] == "1.50x"  # the global messenger on AdapFu
     arm = table["ciders-fo-no-takd"]  # at round 2: vs CIDERS-FO (2.88) and FedAvg (2.98) there
     assert arm[2:6] == ["2", "2.9300", "+0.0500", "-0.0500"]
     assert arm[10].strip(" |") == "0.75x"
     assert (results / "long_run" / "b.png").stat().st_size > 0
     saved = json.loads((results / "long_run.json").read_text())
     assert saved["settings"]["b"]["ciders-fo"]["points"][0] == {
-        "round": 0, "matched": 3.0, "adapfu": 2.0, "global": 3.0, "delta_cross": 0.0, "bytes": 0,
+        "round": 0, "matched": 3.0, "adapfu": 2.0, "global": 3.0, "adapfu_global": 2.0, "delta_cross": 0.0, "bytes": 0,
     }  # fmt: skip
+
+
+def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replaces_it(tmp_path, results, monkeypatch):
+    first, second = tmp_path / "first", tmp_path / "second"
+    _study(first / "b" / "fedavg", rounds=6, nll=3.0, wall_s=40)
+    _study(first / "b" / "ciders-fo", rounds=6, nll=2.9, wall_s=60)
+    monkeypatch.setattr(sys, "argv", ["long_run.py", "--settings", "b"])
+    long_run.report(long_run.argparse.Namespace(out=first))
+    _study(second / "c0.1" / "fedavg", rounds=2, nll=4.0, wall_s=100)  # a later session: b's folders are gone
+    _study(second / "b" / "fedavg", rounds=2, nll=3.5, wall_s=40)  # and b's FedAvg started over: not as far
+    _study(second / "b" / "ciders-fo", rounds=8, nll=2.9, wall_s=60)  # CIDERS-FO resumed further
+    monkeypatch.setattr(sys, "argv", ["long_run.py", "--settings", "c0.1"])
+    long_run.report(long_run.argparse.Namespace(out=second))
+    saved = json.loads((results / "long_run.json").read_text())["settings"]
+    source = {(s, a): c["source"]["command"] for s, runs in saved.items() for a, c in runs.items()}
+    assert source == {
+        ("b", "fedavg"): "long_run.py --settings b",  # the record: its folder is gone
+        ("b", "ciders-fo"): "long_run.py --settings c0.1",  # the live study: it reaches further
+        ("c0.1", "fedavg"): "long_run.py --settings c0.1",
+    }
+    assert saved["b"]["fedavg"]["points"][-1]["round"] == 6 and saved["b"]["ciders-fo"]["points"][-1]["round"] == 8
+    md = (results / "long_run.md").read_text()
+    assert "| b | fedavg | 6 | 2.9400 |" in md and "| c0.1 | fedavg | 2 | 3.9800 |" in md
+    assert "- b: `long_run.py --settings b` at" in md and "`long_run.py --settings c0.1` at" in md
