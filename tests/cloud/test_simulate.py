@@ -22,7 +22,10 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-GOLDEN = Path(__file__).parents[1] / "fixtures" / "simulate_metrics.json"
+# Every figure pinned per CPU kernel family: AVX2 and AVX-512 float32 kernels round differently, and three
+# rounds carry that to 3e-5 (FedAvg) and 1.5e-3 (TAKD's KL) relative, far past what a refactor may move
+CAPABILITY = torch.backends.cpu.get_cpu_capability().lower()
+GOLDEN = Path(__file__).parents[1] / "fixtures" / f"simulate_metrics.{CAPABILITY}.json"
 UNPINNED = ("wall_s", "bytes_down")  # a clock, and the bundles' size (their manifest may gain or lose a field)
 
 
@@ -74,6 +77,8 @@ def _check_golden(algorithm: str, rows: list[dict]) -> None:
     if os.environ.get("CIDERS_UPDATE_GOLDEN"):
         golden[algorithm] = _pinned(rows)
         GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    if algorithm not in golden:
+        pytest.skip(f"no metrics pinned for {CAPABILITY} kernels: record them with CIDERS_UPDATE_GOLDEN=1 -p no:xdist")
     where = moved(json.loads(json.dumps(_pinned(rows))), _pinned(golden[algorithm]))  # as the file holds them
     assert where is None, f"{algorithm}: simulate's metrics moved at {where}"
 
