@@ -36,6 +36,7 @@ from common import RESULTS, commit, data_dir, markdown_table, trainable_lines, w
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
 SETTINGS = ("b", "c0.1", "c1.0", "partial")
+SOURCE = "long_run_source.json"  # in each study: the call that last grew it (its command and commit)
 # The ablation: CIDERS-FO without one of what sets it apart from FedAvg (which is CIDERS-FO without all of
 # them), to find which part pays for its cost. Each arm is CIDERS-FO with these round hyperparameters.
 ABLATIONS = {
@@ -115,18 +116,20 @@ def dolly_public(out: Path, dolly: Path) -> Path:
 
 
 def grow(cfg, out: Path, rounds: int) -> None:
-    """Bring the study in ``out`` to ``rounds`` rounds: made by ``simulate``, then ``simulate --resume``."""
+    """Bring the study in ``out`` to ``rounds`` rounds: made by ``simulate``, then ``simulate --resume``;
+    the call is noted in the study (:data:`SOURCE`) for the report."""
     from ciders_cloud.study.resume import resume
     from ciders_cloud.study.simulate import simulate
 
     if not (out / "config.json").is_file():
         simulate(cfg.replace(rounds=rounds), out)
-        return
-    saved = json.loads((out / "config.json").read_text())
-    if {**saved, "rounds": None} != {**json.loads(json.dumps(cfg.to_dict())), "rounds": None}:
-        sys.exit(f"{out}: a study with other settings; choose another --out")
-    if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
-        resume(out, rounds)
+    else:
+        saved = json.loads((out / "config.json").read_text())
+        if {**saved, "rounds": None} != {**json.loads(json.dumps(cfg.to_dict())), "rounds": None}:
+            sys.exit(f"{out}: a study with other settings; choose another --out")
+        if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
+            resume(out, rounds)
+    (out / SOURCE).write_text(json.dumps(_this_call()) + "\n")
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -163,6 +166,7 @@ def curves(out: Path) -> dict:
         "round0_adapfu": full,  # the base model
         "wall_s": median(r["wall_s"] for r in rounds) if rounds else None,
         "bytes_per_round": median(_moved(r) for r in rounds) if rounds else None,
+        "source": json.loads((out / SOURCE).read_text()) if (out / SOURCE).is_file() else None,
     }
 
 
@@ -175,7 +179,7 @@ def report(args: argparse.Namespace) -> None:
     """The table (each study at the six algorithms' last common evaluation, against FedAvg's there), the
     ablation's (each arm at its last evaluation, against CIDERS-FO's and FedAvg's there) and the curves."""
     table, ablation, payload = [], [], {}
-    recorded, here = _recorded(), {"command": shlex.join(sys.argv), "commit": commit()}
+    recorded, here = _recorded(), _this_call()
     for setting in SETTINGS:  # every setting and algorithm that has run, whichever this call grew
         runs = {a: _latest(curves(args.out / setting / a), recorded.get(setting, {}).get(a), here) for a in
                 (*ALGORITHMS, *ABLATIONS)}  # fmt: skip
@@ -207,6 +211,10 @@ def report(args: argparse.Namespace) -> None:
     write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
 
 
+def _this_call() -> dict:
+    return {"command": shlex.join(sys.argv), "commit": commit()}
+
+
 def _recorded() -> dict:
     """The curves the last report wrote (``results/long_run.json``), each with the command and commit it
     came from: a study folder lost with its machine keeps its place in the report."""
@@ -222,7 +230,7 @@ def _latest(live: dict, recorded: dict | None, here: dict) -> dict | None:
     """A study's curves: those of its folder under ``--out``, unless the report's record of it reaches
     further (its folder was lost, or started over)."""
     if len(live["points"]) > 1 and (recorded is None or live["points"][-1]["round"] >= recorded["points"][-1]["round"]):
-        return {**live, "source": here}
+        return {**live, "source": live["source"] or here}
     return recorded
 
 
