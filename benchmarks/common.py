@@ -60,10 +60,15 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def this_call() -> dict:
+    """This process's command line and the commit it ran at: what a result file records it came from."""
+    return {"command": " ".join(shlex.quote(a) for a in sys.argv), "commit": commit()}
+
+
 def write_results(name: str, payload: dict, table: list[list[str]], header: list[str], notes: str = "") -> Path:
     """Write ``results/NAME.json`` and ``results/NAME.md`` with commit, machine and command line."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = {"commit": commit(), "machine": machine(), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+    meta = {**this_call(), "machine": machine()}
     (RESULTS / f"{name}.json").write_text(json.dumps({**meta, **payload}, indent=2) + "\n")
     lines = [
         f"# {name}",

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, commit, data_dir, markdown_table, trainable_lines, write_results  # noqa: E402
+from common import RESULTS, data_dir, markdown_table, this_call, trainable_lines, write_results  # noqa: E402
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
@@ -129,7 +128,7 @@ def grow(cfg, out: Path, rounds: int) -> None:
             sys.exit(f"{out}: a study with other settings; choose another --out")
         if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
             resume(out, rounds)
-    (out / SOURCE).write_text(json.dumps(_this_call()) + "\n")
+    (out / SOURCE).write_text(json.dumps(this_call()) + "\n")
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -179,7 +178,7 @@ def report(args: argparse.Namespace) -> None:
     """The table (each study at the six algorithms' last common evaluation, against FedAvg's there), the
     ablation's (each arm at its last evaluation, against CIDERS-FO's and FedAvg's there) and the curves."""
     table, ablation, payload = [], [], {}
-    recorded, here = _recorded(), _this_call()
+    recorded, here = _recorded(), this_call()
     for setting in SETTINGS:  # every setting and algorithm that has run, whichever this call grew
         runs = {a: _latest(curves(args.out / setting / a), recorded.get(setting, {}).get(a), here) for a in
                 (*ALGORITHMS, *ABLATIONS)}  # fmt: skip
@@ -209,10 +208,6 @@ def report(args: argparse.Namespace) -> None:
         notes += [f"- {setting}: " + "; ".join(f"`{cmd}` at {sha}" for cmd, sha in sorted(sources))] if runs else []
     notes = "\n".join(notes)
     write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
-
-
-def _this_call() -> dict:
-    return {"command": shlex.join(sys.argv), "commit": commit()}
 
 
 def _recorded() -> dict:
