@@ -35,7 +35,7 @@ from common import RESULTS, data_dir, markdown_table, this_call, trainable_lines
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
 SETTINGS = ("b", "c0.1", "c1.0", "partial")
-SOURCE = "long_run_source.json"  # in each study: the call that last grew it (its command and commit)
+SOURCE = "long_run_source.json"  # in each study: the calls that grew it (command, commit, rounds)
 # The ablation: CIDERS-FO without one of what sets it apart from FedAvg (which is CIDERS-FO without all of
 # them), to find which part pays for its cost. Each arm is CIDERS-FO with these round hyperparameters.
 ABLATIONS = {
@@ -120,6 +120,7 @@ def grow(cfg, out: Path, rounds: int) -> None:
     from ciders_cloud.study.resume import resume
     from ciders_cloud.study.simulate import simulate
 
+    before = _rounds_done(out)
     if not (out / "config.json").is_file():
         simulate(cfg.replace(rounds=rounds), out)
     else:
@@ -128,7 +129,21 @@ def grow(cfg, out: Path, rounds: int) -> None:
             sys.exit(f"{out}: a study with other settings; choose another --out")
         if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
             resume(out, rounds)
-    (out / SOURCE).write_text(json.dumps(this_call()) + "\n")
+    if (after := _rounds_done(out)) > before:
+        calls = [*_sources(out), {**this_call(), "rounds": [before + 1, after]}]
+        (out / SOURCE).write_text(json.dumps(calls) + "\n")
+
+
+def _sources(out: Path) -> list[dict]:
+    """The calls that grew a study, oldest first (a study grown before they were listed has its last one)."""
+    if not (out / SOURCE).is_file():
+        return []
+    saved = json.loads((out / SOURCE).read_text())
+    return saved if isinstance(saved, list) else [saved]
+
+
+def _rounds_done(out: Path) -> int:
+    return len({r["round"] for r in _metrics(out) if r["type"] == "round"})
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -165,7 +180,7 @@ def curves(out: Path) -> dict:
         "round0_adapfu": full,  # the base model
         "wall_s": median(r["wall_s"] for r in rounds) if rounds else None,
         "bytes_per_round": median(_moved(r) for r in rounds) if rounds else None,
-        "source": json.loads((out / SOURCE).read_text()) if (out / SOURCE).is_file() else None,
+        "sources": _sources(out),
     }
 
 
@@ -203,9 +218,7 @@ def report(args: argparse.Namespace) -> None:
         head += ["AdapFu matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg", "s / round", "vs CIDERS-FO"]
         notes += ["## Ablation of CIDERS-FO", "", *markdown_table(head, ablation), ""]
     notes += ["## Where each setting's studies ran", ""]
-    for setting, runs in payload.items():
-        sources = {(c["source"]["command"], c["source"]["commit"]) for c in runs.values()}
-        notes += [f"- {setting}: " + "; ".join(f"`{cmd}` at {sha}" for cmd, sha in sorted(sources))] if runs else []
+    notes += [f"- {setting}: {_calls(runs)}" for setting, runs in payload.items() if runs]
     notes = "\n".join(notes)
     write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
 
@@ -218,14 +231,34 @@ def _recorded() -> dict:
         return {}
     saved = json.loads(path.read_text())
     old = {"command": saved["command"], "commit": saved["commit"]}  # before curves carried their own
-    return {s: {a: {"source": old, **c} for a, c in runs.items()} for s, runs in saved["settings"].items()}
+
+    def listed(c: dict) -> dict:  # a curve recorded with its one call ("source") before they were listed
+        c = dict(c)
+        one = c.pop("source", old)
+        return {**c, "sources": c.get("sources") or [one]}
+
+    return {s: {a: listed(c) for a, c in runs.items()} for s, runs in saved["settings"].items()}
+
+
+def _calls(runs: dict) -> str:
+    """The calls that grew a setting's studies, each with the rounds it ran, oldest first."""
+    spans: dict[tuple[str, str], set[tuple[int, int]]] = {}
+    for c in runs.values():
+        for s in c["sources"]:
+            spans.setdefault((s["command"], s["commit"]), set()).update([tuple(s["rounds"])] if "rounds" in s else [])
+
+    def text(cmd: str, sha: str) -> str:
+        rounds = ", ".join(f"{a}-{b}" for a, b in sorted(spans[cmd, sha]))
+        return f"`{cmd}` at {sha}" + (f" (rounds {rounds})" if rounds else "")
+
+    return "; ".join(text(*call) for call in sorted(spans, key=lambda k: (min(spans[k], default=(0, 0)), k)))
 
 
 def _latest(live: dict, recorded: dict | None, here: dict) -> dict | None:
     """A study's curves: those of its folder under ``--out``, unless the report's record of it reaches
     further (its folder was lost, or started over)."""
     if len(live["points"]) > 1 and (recorded is None or live["points"][-1]["round"] >= recorded["points"][-1]["round"]):
-        return {**live, "source": live["source"] or here}
+        return {**live, "sources": live["sources"] or [here]}
     return recorded
 
 

@@ -65,18 +65,25 @@ def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replace
     _study(second / "c0.1" / "fedavg", rounds=2, nll=4.0, wall_s=100)  # a later session: b's folders are gone
     _study(second / "b" / "fedavg", rounds=2, nll=3.5, wall_s=40)  # and b's FedAvg started over: not as far
     _study(second / "b" / "ciders-fo", rounds=8, nll=2.9, wall_s=60)  # CIDERS-FO resumed further
-    grown_by = {"command": "long_run.py --settings b --algorithms ciders-fo", "commit": "abc1234"}
-    (second / "b" / "ciders-fo" / long_run.SOURCE).write_text(json.dumps(grown_by))  # as grow() notes it
+    grown_by = [  # as grow() notes it: first a call before the calls were listed with their rounds
+        {"command": "long_run.py --settings b --algorithms ciders-fo", "commit": "abc1234"},
+        {"command": "long_run.py --settings b --rounds 8", "commit": "def5678", "rounds": [7, 8]},
+    ]
+    (second / "b" / "ciders-fo" / long_run.SOURCE).write_text(json.dumps(grown_by))
     monkeypatch.setattr(sys, "argv", ["long_run.py", "--settings", "c0.1"])
     long_run.report(long_run.argparse.Namespace(out=second))
     saved = json.loads((results / "long_run.json").read_text())["settings"]
-    source = {(s, a): c["source"]["command"] for s, runs in saved.items() for a, c in runs.items()}
+    source = {(s, a): [c["command"] for c in c["sources"]] for s, runs in saved.items() for a, c in runs.items()}
     assert source == {
-        ("b", "fedavg"): "long_run.py --settings b",  # the record: its folder is gone
-        ("b", "ciders-fo"): "long_run.py --settings b --algorithms ciders-fo",  # the live study reaches further
-        ("c0.1", "fedavg"): "long_run.py --settings c0.1",
+        ("b", "fedavg"): ["long_run.py --settings b"],  # the record: its folder is gone
+        ("b", "ciders-fo"): [c["command"] for c in grown_by],  # the live study reaches further
+        ("c0.1", "fedavg"): ["long_run.py --settings c0.1"],
     }
     assert saved["b"]["fedavg"]["points"][-1]["round"] == 6 and saved["b"]["ciders-fo"]["points"][-1]["round"] == 8
     md = (results / "long_run.md").read_text()
     assert "| b | fedavg | 6 | 2.9400 |" in md and "| c0.1 | fedavg | 2 | 3.9800 |" in md
     assert "- b: `long_run.py --settings b` at" in md and "`long_run.py --settings c0.1` at" in md
+    assert "; `long_run.py --settings b --rounds 8` at def5678 (rounds 7-8)" in md
+    long_run.report(long_run.argparse.Namespace(out=tmp_path / "third"))  # none live: the record, read back
+    again = json.loads((results / "long_run.json").read_text())["settings"]
+    assert again["b"]["ciders-fo"]["sources"] == saved["b"]["ciders-fo"]["sources"]
