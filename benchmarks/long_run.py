@@ -119,6 +119,7 @@ def grow(cfg, out: Path, rounds: int) -> None:
     the call is noted in the study (:data:`SOURCE`) for the report."""
     from ciders_cloud.study.resume import resume
     from ciders_cloud.study.simulate import simulate
+    from ciders_edge.formats.atomic import write_json
 
     before = _rounds_done(out)
     if not (out / "config.json").is_file():
@@ -129,9 +130,8 @@ def grow(cfg, out: Path, rounds: int) -> None:
             sys.exit(f"{out}: a study with other settings; choose another --out")
         if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
             resume(out, rounds)
-    if (after := _rounds_done(out)) > before:
-        calls = [*_sources(out), {**this_call(), "rounds": [before + 1, after]}]
-        (out / SOURCE).write_text(json.dumps(calls) + "\n")
+    if (after := _rounds_done(out)) > before:  # atomically: a torn write would lose the history
+        write_json(out / SOURCE, [*_sources(out), {**this_call(), "rounds": [before + 1, after]}])
 
 
 def _sources(out: Path) -> list[dict]:
