@@ -19,6 +19,11 @@ under ``--out``, ``results/long_run.{json,md}`` and per setting ``results/long_r
 (matched-domain NLL on the AdapEmu and on AdapFu, the global messenger's on both, Delta_cross against rounds,
 matched NLL against bytes). A study whose folder is gone (machines are not kept between sessions) keeps the
 curves the last report recorded for it, with the command and commit that ran it.
+
+On a GPU (``--device cuda``) the cloud's TAKD and evaluation run there, and so do the edges: every client runs
+a copy of ``--profile`` that targets the GPU (same depth, drop ratio, rank, batches and dtype). Its results go
+to their own report (``--results long_run_cuda``); ``benchmarks/long_run_gpu.sh`` runs the settings side by side
+on one lent GPU in a time box.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, data_dir, markdown_table, this_call, trainable_lines, write_results  # noqa: E402
+
+from ciders_edge.formats.atomic import write_bytes  # noqa: E402  (atomic: studies grown side by side share files)
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
@@ -53,11 +60,11 @@ def study_config(setting: str, algorithm: str, args: argparse.Namespace):
 
     shared = {
         "model": args.model,
+        "profile": edge_profile(args),
         "algorithm": "ciders-fo" if algorithm in ABLATIONS else algorithm,
         "hyperparameters": ABLATIONS.get(algorithm, {}),
         "rounds": args.rounds,
         "local_steps": args.local_steps,
-        "profile": args.profile,
         "eval_every": args.eval_every,
         "eval_examples": args.eval_examples,
         "eval_generate": 0,
@@ -82,6 +89,22 @@ def study_config(setting: str, algorithm: str, args: argparse.Namespace):
     )  # fmt: skip
 
 
+def edge_profile(args: argparse.Namespace) -> str:
+    """``--profile``, or off the CPU a copy of it that targets ``--device``: only where the edges compute changes,
+    not what they train (a Raspberry Pi's profile would keep them on the CPU beside the GPU)."""
+    if args.device == "cpu":
+        return args.profile
+    from ciders_edge.profiles import load_profile
+
+    prof = load_profile(args.profile)
+    path = args.out.resolve() / "profiles" / f"{prof.name}-{args.device}.toml"
+    if not path.is_file():  # JSON's strings, numbers and lists of strings are TOML's too
+        fields = prof.to_dict() | {"name": path.stem, "target": args.device}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes(path, "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()).encode())
+    return str(path)
+
+
 def shard(out: Path, domain: str, k: int, of: int) -> Path:
     """Client k's of ``of`` disjoint shares of ``domain``'s train.jsonl, of the records that fit the
     sequence length (so that every client trains, finance's too)."""
@@ -89,7 +112,7 @@ def shard(out: Path, domain: str, k: int, of: int) -> Path:
     if not path.is_file():
         lines = trainable_lines(data_dir("five_domain") / domain / "train.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(lines[k::of]) + "\n")
+        write_bytes(path, ("\n".join(lines[k::of]) + "\n").encode())
     return path
 
 
@@ -99,7 +122,7 @@ def public_data(out: Path) -> Path:
     if not path.is_file():
         five = data_dir("five_domain")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"".join((five / d / "public.jsonl").read_bytes() for d in DOMAINS))
+        write_bytes(path, b"".join((five / d / "public.jsonl").read_bytes() for d in DOMAINS))
     return path
 
 
@@ -110,12 +133,13 @@ def dolly_public(out: Path, dolly: Path) -> Path:
     path = out / "dolly-public.jsonl"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(dolly.read_text().splitlines(keepends=True)[::15]))
+        write_bytes(path, "".join(dolly.read_text().splitlines(keepends=True)[::15]).encode())
     return path
 
 
-def grow(cfg, out: Path, rounds: int) -> None:
-    """Bring the study in ``out`` to ``rounds`` rounds: made by ``simulate``, then ``simulate --resume``;
+def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> None:
+    """Bring the study in ``out`` to ``rounds`` rounds: made by ``simulate``'s first round (a study is kept only
+    once its first call ends: a stop in a longer one would lose every round of it), then ``simulate --resume``;
     the call is noted in the study (:data:`SOURCE`) for the report."""
     from ciders_cloud.study.resume import resume
     from ciders_cloud.study.simulate import simulate
@@ -123,13 +147,12 @@ def grow(cfg, out: Path, rounds: int) -> None:
 
     before = _rounds_done(out)
     if not (out / "config.json").is_file():
-        simulate(cfg.replace(rounds=rounds), out)
-    else:
-        saved = json.loads((out / "config.json").read_text())
-        if {**saved, "rounds": None} != {**json.loads(json.dumps(cfg.to_dict())), "rounds": None}:
-            sys.exit(f"{out}: a study with other settings; choose another --out")
-        if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
-            resume(out, rounds)
+        simulate(cfg.replace(rounds=1), out, device)
+    saved = json.loads((out / "config.json").read_text())
+    if {**saved, "rounds": None} != {**json.loads(json.dumps(cfg.to_dict())), "rounds": None}:
+        sys.exit(f"{out}: a study with other settings; choose another --out")
+    if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
+        resume(out, rounds, device)
     if (after := _rounds_done(out)) > before:  # atomically: a torn write would lose the history
         write_json(out / SOURCE, [*_sources(out), {**this_call(), "rounds": [before + 1, after]}])
 
@@ -193,7 +216,7 @@ def report(args: argparse.Namespace) -> None:
     """The table (each study at the six algorithms' last common evaluation, against FedAvg's there), the
     ablation's (each arm at its last evaluation, against CIDERS-FO's and FedAvg's there) and the curves."""
     table, ablation, payload = [], [], {}
-    recorded, here = _recorded(), this_call()
+    recorded, here = _recorded(args.results), this_call()
     for setting in SETTINGS:  # every setting and algorithm that has run, whichever this call grew
         runs = {a: _latest(curves(args.out / setting / a), recorded.get(setting, {}).get(a), here) for a in
                 (*ALGORITHMS, *ABLATIONS)}  # fmt: skip
@@ -208,7 +231,7 @@ def report(args: argparse.Namespace) -> None:
                 table.append(_row(setting, a, runs, common))
             elif a in ABLATIONS:
                 ablation.append(_ablation_row(setting, a, runs, min(last[a], common)))
-        plot(setting, runs, RESULTS / "long_run" / f"{setting}.png")
+        plot(setting, runs, RESULTS / args.results / f"{setting}.png")
     header = ["setting", "algorithm", "round", "matched NLL (pers.)", "vs FedAvg", "best (round)"]
     header += ["AdapFu matched NLL (pers.)", "vs FedAvg", "global NLL", "AdapFu global NLL", "Δcross"]
     header += ["s / round", "vs FedAvg", "MB / round"]
@@ -220,13 +243,15 @@ def report(args: argparse.Namespace) -> None:
     notes += ["## Where each setting's studies ran", ""]
     notes += [f"- {setting}: {_calls(runs)}" for setting, runs in payload.items() if runs]
     notes = "\n".join(notes)
-    write_results("long_run", {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes)
+    write_results(
+        args.results, {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes
+    )
 
 
-def _recorded() -> dict:
-    """The curves the last report wrote (``results/long_run.json``), each with the command and commit it
+def _recorded(name: str) -> dict:
+    """The curves the last report wrote (``results/<name>.json``), each with the command and commit it
     came from: a study folder lost with its machine keeps its place in the report."""
-    path = RESULTS / "long_run.json"
+    path = RESULTS / f"{name}.json"
     if not path.is_file():
         return {}
     saved = json.loads(path.read_text())
@@ -345,7 +370,15 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="tiny for a quick try of the script")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the cloud and the edges compute")
+    ap.add_argument("--results", default="long_run", help="the report's name: results/<name>.{json,md}, <name>/*.png")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument(
+        "--no-report",
+        action="store_true",
+        help="no report after each pass (for studies grown side by "
+        "side in several processes: one --report-only call after them)",
+    )
     args = ap.parse_args()
     if not args.report_only:
         from ciders_edge.cli_utils import quiet_libraries
@@ -355,9 +388,11 @@ def main() -> None:
             for setting in args.settings.split(","):
                 for algorithm in args.algorithms.split(","):
                     out = args.out / setting / algorithm
-                    grow(study_config(setting, algorithm, args), out, min(target, args.rounds))
-            report(args)  # after every pass: the results so far
-    report(args)
+                    grow(study_config(setting, algorithm, args), out, min(target, args.rounds), args.device)
+            if not args.no_report:
+                report(args)  # after every pass: the results so far
+    if args.report_only or not args.no_report:
+        report(args)
 
 
 if __name__ == "__main__":

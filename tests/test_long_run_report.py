@@ -40,7 +40,7 @@ def test_report_reads_the_table_at_the_common_round_and_each_ablation_arm_at_its
     _study(runs / "b" / "fedavg", rounds=6, nll=3.0, wall_s=40)
     _study(runs / "b" / "ciders-fo", rounds=4, nll=2.9, wall_s=60)
     _study(runs / "b" / "ciders-fo-no-takd", rounds=2, nll=2.95, wall_s=45)  # behind: must not pull the table back
-    long_run.report(long_run.argparse.Namespace(out=runs))
+    long_run.report(long_run.argparse.Namespace(out=runs, results="long_run"))
     md = (results / "long_run.md").read_text()
     table = {row.split(" | ")[1]: row.split(" | ") for row in md.splitlines() if row.startswith("| b |")}
     assert table["ciders-fo"][2:5] == ["4", "2.8600", "-0.1000"]  # at round 4, the last both main studies reached
@@ -61,7 +61,7 @@ def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replace
     _study(first / "b" / "fedavg", rounds=6, nll=3.0, wall_s=40)
     _study(first / "b" / "ciders-fo", rounds=6, nll=2.9, wall_s=60)
     monkeypatch.setattr(sys, "argv", ["long_run.py", "--settings", "b"])
-    long_run.report(long_run.argparse.Namespace(out=first))
+    long_run.report(long_run.argparse.Namespace(out=first, results="long_run"))
     _study(second / "c0.1" / "fedavg", rounds=2, nll=4.0, wall_s=100)  # a later session: b's folders are gone
     _study(second / "b" / "fedavg", rounds=2, nll=3.5, wall_s=40)  # and b's FedAvg started over: not as far
     _study(second / "b" / "ciders-fo", rounds=8, nll=2.9, wall_s=60)  # CIDERS-FO resumed further
@@ -71,7 +71,7 @@ def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replace
     ]
     (second / "b" / "ciders-fo" / long_run.SOURCE).write_text(json.dumps(grown_by))
     monkeypatch.setattr(sys, "argv", ["long_run.py", "--settings", "c0.1"])
-    long_run.report(long_run.argparse.Namespace(out=second))
+    long_run.report(long_run.argparse.Namespace(out=second, results="long_run"))
     saved = json.loads((results / "long_run.json").read_text())["settings"]
     source = {(s, a): [c["command"] for c in c["sources"]] for s, runs in saved.items() for a, c in runs.items()}
     assert source == {
@@ -84,6 +84,20 @@ def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replace
     assert "| b | fedavg | 6 | 2.9400 |" in md and "| c0.1 | fedavg | 2 | 3.9800 |" in md
     assert "- b: `long_run.py --settings b` at" in md and "`long_run.py --settings c0.1` at" in md
     assert "; `long_run.py --settings b --rounds 8` at def5678 (rounds 7-8)" in md
-    long_run.report(long_run.argparse.Namespace(out=tmp_path / "third"))  # none live: the record, read back
+    long_run.report(
+        long_run.argparse.Namespace(out=tmp_path / "third", results="long_run")
+    )  # none live: the record, read back
     again = json.loads((results / "long_run.json").read_text())["settings"]
     assert again["b"]["ciders-fo"]["sources"] == saved["b"]["ciders-fo"]["sources"]
+
+
+def test_off_the_cpu_every_client_runs_a_copy_of_its_profile_that_targets_the_gpu(tmp_path):
+    from ciders_edge.profiles import load_profile
+
+    args = long_run.argparse.Namespace(out=tmp_path, profile="rpi5-8gb", device="cpu")
+    assert long_run.edge_profile(args) == "rpi5-8gb"
+    path = long_run.edge_profile(args := long_run.argparse.Namespace(out=tmp_path, profile="rpi5-8gb", device="cuda"))
+    copy, shipped = load_profile(path), load_profile("rpi5-8gb")
+    assert (copy.name, copy.target) == ("rpi5-8gb-cuda", "cuda")
+    assert copy.to_dict() | {"name": "rpi5-8gb", "target": "cpu"} == shipped.to_dict()
+    assert long_run.edge_profile(args) == path  # one file, so that a resumed study's config matches
