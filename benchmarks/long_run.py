@@ -94,15 +94,16 @@ def edge_profile(args: argparse.Namespace) -> str:
     not what they train (a Raspberry Pi's profile would keep them on the CPU beside the GPU)."""
     if args.device == "cpu":
         return args.profile
+    from ciders_edge.model.sources import ciders_home
     from ciders_edge.profiles import load_profile
 
     prof = load_profile(args.profile)
-    path = args.out.resolve() / "profiles" / f"{prof.name}-{args.device}.toml"
+    path = ciders_home() / "profiles" / f"{prof.name}-{args.device}.toml"  # a name, as a simulation needs
     if not path.is_file():  # JSON's strings, numbers and lists of strings are TOML's too
         fields = prof.to_dict() | {"name": path.stem, "target": args.device}
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes(path, "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()).encode())
-    return str(path)
+    return path.stem
 
 
 def shard(out: Path, domain: str, k: int, of: int) -> Path:

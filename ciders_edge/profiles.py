@@ -1,7 +1,8 @@
 """Device profiles: what a class of device trains and runs, and whether a model fits it.
 
 Profiles are TOML files whose keys equal :class:`DeviceProfile`'s fields. The shipped ones live
-in the ``device_profiles`` package; a path to any ``.toml`` file works too.
+in the ``device_profiles`` package, your own in ``$CIDERS_HOME/profiles`` (by name, as the shipped ones:
+what a simulation names bundles by); a path to any ``.toml`` file works too.
 """
 
 from __future__ import annotations
@@ -91,20 +92,29 @@ def _shipped() -> dict[str, Path]:
     return {p.name.removesuffix(".toml"): Path(str(p)) for p in root.iterdir() if p.name.endswith(".toml")}
 
 
+def _own() -> dict[str, Path]:
+    """The user's profiles: ``$CIDERS_HOME/profiles/<name>.toml``."""
+    from ciders_edge.model.sources import ciders_home
+
+    return {p.stem: p for p in sorted((ciders_home() / "profiles").glob("*.toml"))}
+
+
+def _named() -> dict[str, Path]:
+    return _own() | _shipped()  # a shipped name is never shadowed
+
+
 def list_profiles() -> list[DeviceProfile]:
-    """Every shipped profile, by name."""
-    return [load_profile(name) for name in sorted(_shipped())]
+    """Every shipped profile and the user's own, by name."""
+    return [load_profile(name) for name in sorted(_named())]
 
 
 def load_profile(name_or_path: str) -> DeviceProfile:
-    """A shipped profile by name, ``auto`` for the detected device, or a path to a TOML file."""
+    """A shipped or own profile by name, ``auto`` for the detected device, or a path to a TOML file."""
     if name_or_path == "auto":
         return detect_profile()
-    path = _shipped().get(name_or_path) or Path(name_or_path)
+    path = _named().get(name_or_path) or Path(name_or_path)
     if not path.is_file():
-        raise ConfigError(
-            f"unknown profile {name_or_path!r}; shipped: {', '.join(sorted(_shipped()))}, or a .toml path"
-        )
+        raise ConfigError(f"unknown profile {name_or_path!r}; known: {', '.join(sorted(_named()))}, or a .toml path")
     return DeviceProfile.from_dict(read_toml(path), where=str(path))
 
 

@@ -91,13 +91,15 @@ def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replace
     assert again["b"]["ciders-fo"]["sources"] == saved["b"]["ciders-fo"]["sources"]
 
 
-def test_off_the_cpu_every_client_runs_a_copy_of_its_profile_that_targets_the_gpu(tmp_path):
+def test_off_the_cpu_every_client_runs_a_copy_of_its_profile_that_targets_the_gpu(tmp_path, monkeypatch):
     from ciders_edge.profiles import load_profile
 
+    monkeypatch.setenv("CIDERS_HOME", str(tmp_path))
     args = long_run.argparse.Namespace(out=tmp_path, profile="rpi5-8gb", device="cpu")
     assert long_run.edge_profile(args) == "rpi5-8gb"
-    path = long_run.edge_profile(args := long_run.argparse.Namespace(out=tmp_path, profile="rpi5-8gb", device="cuda"))
-    copy, shipped = load_profile(path), load_profile("rpi5-8gb")
-    assert (copy.name, copy.target) == ("rpi5-8gb-cuda", "cuda")
+    args = long_run.argparse.Namespace(out=tmp_path, profile="rpi5-8gb", device="cuda")
+    assert long_run.edge_profile(args) == "rpi5-8gb-cuda"  # a name: a simulation keys its bundles by it
+    copy, shipped = load_profile("rpi5-8gb-cuda"), load_profile("rpi5-8gb")
+    assert copy.target == "cuda"
     assert copy.to_dict() | {"name": "rpi5-8gb", "target": "cpu"} == shipped.to_dict()
-    assert long_run.edge_profile(args) == path  # one file, so that a resumed study's config matches
+    assert long_run.edge_profile(args) == "rpi5-8gb-cuda"
