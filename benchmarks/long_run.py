@@ -146,7 +146,7 @@ def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> None:
     from ciders_cloud.study.simulate import simulate
     from ciders_edge.formats.atomic import write_json
 
-    before = _rounds_done(out)
+    before = _rounds_noted(out)  # a call stopped mid-pass noted nothing: its rounds go to the call that ends them
     if not (out / "config.json").is_file():
         simulate(cfg.replace(rounds=1), out, device)
     saved = json.loads((out / "config.json").read_text())
@@ -164,6 +164,14 @@ def _sources(out: Path) -> list[dict]:
         return []
     saved = json.loads((out / SOURCE).read_text())
     return saved if isinstance(saved, list) else [saved]
+
+
+def _rounds_noted(out: Path) -> int:
+    """The last round a noted call ran (0: none noted; a call noted without its rounds ran every round done)."""
+    sources = _sources(out)
+    if any("rounds" not in s for s in sources):
+        return _rounds_done(out)
+    return max((s["rounds"][1] for s in sources), default=0)
 
 
 def _rounds_done(out: Path) -> int:

@@ -103,3 +103,11 @@ def test_off_the_cpu_every_client_runs_a_copy_of_its_profile_that_targets_the_gp
     assert copy.target == "cuda"
     assert copy.to_dict() | {"name": "rpi5-8gb", "target": "cpu"} == shipped.to_dict()
     assert long_run.edge_profile(args) == "rpi5-8gb-cuda"
+
+
+def test_rounds_a_stopped_call_ran_go_to_the_call_that_ends_them(tmp_path):
+    _study(out := tmp_path / "b" / "fedavg", rounds=11, nll=3.0, wall_s=40)  # 11 rounds done, 8 of them noted
+    (out / long_run.SOURCE).write_text(json.dumps([{"command": "c", "commit": "x", "rounds": [1, 8]}]))
+    assert long_run._rounds_noted(out) == 8
+    (out / long_run.SOURCE).write_text(json.dumps({"command": "c", "commit": "x"}))  # noted before rounds were
+    assert long_run._rounds_noted(out) == 11
