@@ -37,7 +37,7 @@ from statistics import mean, median
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, data_dir, markdown_table, this_call, trainable_lines, write_results  # noqa: E402
 
-from ciders_edge.formats.atomic import write_bytes  # noqa: E402  (atomic: studies grown side by side share files)
+from ciders_edge.formats.atomic import write_bytes, write_json  # noqa: E402  (studies grown side by side share files)
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
@@ -144,7 +144,6 @@ def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> None:
     the call is noted in the study (:data:`SOURCE`) for the report."""
     from ciders_cloud.study.resume import resume
     from ciders_cloud.study.simulate import simulate
-    from ciders_edge.formats.atomic import write_json
 
     before = _rounds_noted(out)  # a call stopped mid-pass noted nothing: its rounds go to the call that ends them
     if not (out / "config.json").is_file():

@@ -47,11 +47,11 @@ wait
 echo "bootstraps and FedAvg's first rounds: $((SECONDS - t0)) s"
 tail -n 3 "$runs"-*-boot.log
 left=$((budget - (SECONDS - t0)))
-[ "$left" -gt 30 ] || echo "the bootstraps took the budget"
+if [ "$left" -le 30 ]; then echo "the bootstraps took the budget"; left=0; fi
 for s in b partial c1.0; do
     for a in ciders-fo ciders-fd fedavg scaffold fedbiot localot; do
         # shellcheck disable=SC2086
-        [ "$left" -gt 30 ] && timeout "$left" "${lr[@]}" --settings $s --algorithms $a ${plan[$s]} > "$runs-$s-$a.log" 2>&1 &
+        ((left)) && timeout "$left" "${lr[@]}" --settings $s --algorithms $a ${plan[$s]} > "$runs-$s-$a.log" 2>&1 &
     done
 done
 wait
