@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from statistics import mean, median
@@ -145,16 +146,18 @@ def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> None:
     from ciders_cloud.study.resume import resume
     from ciders_cloud.study.simulate import simulate
 
-    before = _rounds_noted(out)  # a call stopped mid-pass noted nothing: its rounds go to the call that ends them
-    if not (out / "config.json").is_file():
-        simulate(cfg.replace(rounds=1), out, device)
-    saved = json.loads((out / "config.json").read_text())
-    if {**saved, "rounds": None} != {**json.loads(json.dumps(cfg.to_dict())), "rounds": None}:
-        sys.exit(f"{out}: a study with other settings; choose another --out")
-    if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
-        resume(out, rounds, device)
-    if (after := _rounds_done(out)) > before:  # atomically: a torn write would lose the history
-        write_json(out / SOURCE, [*_sources(out), {**this_call(), "rounds": [before + 1, after]}])
+    before = _rounds_noted(out)  # a call killed (SIGKILL) noted nothing: its rounds go to the call that ends them
+    try:
+        if not (out / "config.json").is_file():
+            simulate(cfg.replace(rounds=1), out, device)
+        saved = json.loads((out / "config.json").read_text())
+        if {**saved, "rounds": None} != {**json.loads(json.dumps(cfg.to_dict())), "rounds": None}:
+            sys.exit(f"{out}: a study with other settings; choose another --out")
+        if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short
+            resume(out, rounds, device)
+    finally:  # also when stopped (SIGTERM, as `timeout` sends, or Ctrl-C): the rounds it finished are its own
+        if (after := _rounds_done(out)) > before:  # atomically: a torn write would lose the history
+            write_json(out / SOURCE, [*_sources(out), {**this_call(), "rounds": [before + 1, after]}])
 
 
 def _sources(out: Path) -> list[dict]:
@@ -388,6 +391,7 @@ def main() -> None:
         "side in several processes: one --report-only call after them)",
     )
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time box's stop unwinds: grow notes its rounds
     if not args.report_only:
         from ciders_edge.cli_utils import quiet_libraries
 

