@@ -354,8 +354,11 @@ def plot(setting: str, runs: dict, path: Path) -> None:
             if y == "adapfu":  # the global messenger on AdapFu beside it: does personalizing pay on the device?
                 pts = [(p["round"], p["adapfu_global"]) for p in c["points"] if p.get("adapfu_global") is not None]
                 ax.plot([u for u, _ in pts], [v for _, v in pts], ":", color=line.get_color())
-        if y in ("matched", "adapfu") and (base := next(iter(runs.values()))[f"round0_{y}"]) is not None:
+        base = next(iter(runs.values()))["round0_adapfu" if y == "adapfu" else "round0_matched"]
+        if y in ("matched", "adapfu") and base is not None:
             ax.axhline(base, color="gray", linestyle=":", label="round 0" if y == "matched" else "base model")
+        if y != "delta_cross" and base is not None:
+            _off_the_chart(ax, base)
         ax.set(
             title=f"{setting}: {title}",
             xlabel="MB moved after round 0's bundle (up + down)" if x == "bytes" else "rounds",
@@ -365,6 +368,20 @@ def plot(setting: str, runs: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _off_the_chart(ax, base: float, diverged: float = 0.5) -> None:
+    """Leave out of an NLL panel's range the studies that diverged (rose ``diverged`` nats above round 0's:
+    SCAFFOLD under AdamW), which would flatten every other curve into one line. Their legend entry says so."""
+    lines = [line for line in ax.get_lines() if len(line.get_ydata()) > 1]
+    out = [line for line in lines if max(line.get_ydata()) > base + diverged]
+    if not out or len(out) == len(lines):
+        return
+    kept = [v for line in lines if line not in out for v in line.get_ydata()] + [base]
+    pad = 0.08 * (max(kept) - min(kept))
+    ax.set_ylim(min(kept) - pad, max(kept) + pad)
+    for line in out:
+        line.set_label(f"{line.get_label()} (off the chart)")
 
 
 def main() -> None:

@@ -132,3 +132,23 @@ def test_a_call_stopped_by_a_signal_notes_the_rounds_it_finished(tmp_path, monke
     with pytest.raises(SystemExit):
         long_run.grow(cfg, out, 12)
     assert [s["rounds"] for s in long_run._sources(out)] == [[1, 8], [9, 11]]
+
+
+def test_a_diverged_study_is_left_out_of_an_nll_panels_range_and_named_so():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 4, 8], [3.3, 3.0, 2.9], label="ciders-fo")
+    ax.plot([0, 4, 8], [3.3, 3.4, 3.6], label="fedavg")  # rose, but by less than 0.5 nats: kept in view
+    before = ax.get_ylim()
+    long_run._off_the_chart(ax, base=3.3)
+    assert ax.get_ylim() == before and [line.get_label() for line in ax.get_lines()] == ["ciders-fo", "fedavg"]
+    ax.plot([0, 4, 8], [3.3, 4.0, 6.2], label="scaffold")
+    long_run._off_the_chart(ax, base=3.3)
+    low, high = ax.get_ylim()
+    assert low < 2.9 and 3.6 < high < 4.0
+    assert [line.get_label() for line in ax.get_lines()] == ["ciders-fo", "fedavg", "scaffold (off the chart)"]
+    plt.close(fig)
