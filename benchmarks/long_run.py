@@ -378,7 +378,7 @@ def _off_the_chart(ax, base: float, diverged: float = 0.5) -> None:
     if not out or len(out) == len(lines):
         return
     kept = [v for line in lines if line not in out for v in line.get_ydata()] + [base]
-    pad = 0.08 * (max(kept) - min(kept))
+    pad = 0.08 * (max(kept) - min(kept)) or 0.05  # or a flat panel (one study, still at round 0)
     ax.set_ylim(min(kept) - pad, max(kept) + pad)
     for line in out:
         line.set_label(f"{line.get_label()} (off the chart)")

@@ -115,12 +115,11 @@ def test_rounds_a_stopped_call_ran_go_to_the_call_that_ends_them(tmp_path):
 
 def test_a_call_stopped_by_a_signal_notes_the_rounds_it_finished(tmp_path, monkeypatch):
     from ciders_cloud.study import resume as resume_module
+    from ciders_cloud.study.config import SimConfig
 
     _study(out := tmp_path / "b" / "fedavg", rounds=8, nll=3.0, wall_s=40)
     (out / long_run.SOURCE).write_text(json.dumps([{"command": "c", "commit": "x", "rounds": [1, 8]}]))
-    cfg = long_run.study_config("b", "fedavg", long_run.argparse.Namespace(
-        out=tmp_path, model="tiny", profile="rpi5-8gb", device="cpu", rounds=20, local_steps=5, eval_every=2,
-        eval_examples=8, max_records=64, seed=0))  # fmt: skip
+    cfg = SimConfig(data=["train.jsonl"], algorithm="fedavg", rounds=20)
     (out / "config.json").write_text(json.dumps(cfg.replace(rounds=8).to_dict()))
 
     def stopped_after_round_11(path, rounds, device):  # two rounds done, then `timeout`'s SIGTERM (as exit 143)
