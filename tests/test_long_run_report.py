@@ -122,7 +122,7 @@ def test_a_call_stopped_by_a_signal_notes_the_rounds_it_finished(tmp_path, monke
     cfg = SimConfig(data=["train.jsonl"], algorithm="fedavg", rounds=20)
     (out / "config.json").write_text(json.dumps(cfg.replace(rounds=8).to_dict()))
 
-    def stopped_after_round_11(path, rounds, device):  # two rounds done, then `timeout`'s SIGTERM (as exit 143)
+    def stopped_after_round_11(path, rounds, device):  # three rounds done, then `timeout`'s SIGTERM (as exit 143)
         with (path / "metrics.jsonl").open("a") as f:
             f.writelines(json.dumps({"type": "round", "round": t}) + "\n" for t in (8, 9, 10))
         raise SystemExit(143)
