@@ -46,9 +46,12 @@ SETTINGS = ("b", "c0.1", "c1.0", "partial")
 SOURCE = "long_run_source.json"  # in each study: the calls that grew it (command, commit, rounds)
 # The ablation: CIDERS-FO without one of what sets it apart from FedAvg (which is CIDERS-FO without all of
 # them), to find which part pays for its cost. Each arm is CIDERS-FO with these round hyperparameters.
+# The rounds' TAKD has had no task CE by default since `-no-task-ce` showed, on B, c0.1, c1.0 and partial, that
+# it only costs AdapFu; the studies begun before keep it (their run.json says so), and `-task-ce` is that CIDERS-FO.
 ABLATIONS = {
     "ciders-fo-no-takd": {"takd_steps": 0},  # no TAKD of the learnable backbone after each round (eq. 13)
     "ciders-fo-no-task-ce": {"takd_lambda_task": 0.0},  # that TAKD without task CE (eq. 2), as FedBiOT's
+    "ciders-fo-task-ce": {"takd_lambda_task": 1.0},  # with it, as the paper's eq. (2) and the old default
     "ciders-fo-no-look-ahead": {"eta_in": 0.0},  # the gradient at x_k, not at the look-ahead point (eq. 5-6)
     "ciders-fo-no-consensus": {"gamma": 0.0},  # no consensus correction in the local steps (eq. 8)
     "ciders-fo-no-prox": {"eps_prox": 0.0},  # no proximal pull to the round's messenger (eq. 8)

@@ -26,6 +26,7 @@ from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import append_jsonl, staging_dir, write_json, write_safetensors
 from ciders_edge.formats.checksums import sha256_file
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.sources import load_tokenizer, model_revision, resolve_model
 from ciders_edge.profiles import load_profile
 
@@ -56,7 +57,8 @@ def prepare(run: RunConfig, out: str | Path, device: str | torch.device = "cpu")
 def _prepare(run: RunConfig, out: Path, device: torch.device) -> dict:
     """:func:`prepare`'s work, with ``out`` claimed: an empty folder no other prepare writes."""
     profiles = [load_profile(p) for p in run.profiles]
-    run = run.replace(model_path=str(resolve_model(run.model)))
+    hp = RoundHyperparams.from_dict(run.hyperparameters, where="`hyperparameters`")  # run.json names every one
+    run = run.replace(model_path=str(resolve_model(run.model)), hyperparameters=hp.to_dict())
     deploy = deployments(run, profiles)
     public, held = public_split(run, load_tokenizer(Path(run.model_path)))  # bad data fails before the model loads
     run = run.replace(model_revision=model_revision(Path(run.model_path)))

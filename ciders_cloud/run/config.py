@@ -265,8 +265,18 @@ def _with_fednest_table(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "fednest": moved} if moved else d
 
 
+def _with_round_task_ce(d: dict[str, Any]) -> dict[str, Any]:
+    """A run.json from before the round's TAKD dropped the task CE by default (it then named no
+    ``takd_lambda_task``) ran it at ``takd.lambda_task``, and goes on so when resumed."""
+    hp, takd = d.get("hyperparameters"), d.get("takd")
+    if not isinstance(hp, dict) or "takd_lambda_task" in hp:
+        return d
+    weight = takd.get("lambda_task", TakdConfig.lambda_task) if isinstance(takd, dict) else TakdConfig.lambda_task
+    return {**d, "hyperparameters": {**hp, "takd_lambda_task": weight}}
+
+
 def load_run(run_dir: Path) -> RunConfig:
     path = RunFolder(run_dir).config
     if not path.is_file():
         raise StateError(f"{run_dir}: not a run folder (no {path.name}); create one with `ciders-cloud prepare`")
-    return RunConfig.from_dict(json.loads(path.read_text()), where=str(path))
+    return RunConfig.from_dict(_with_round_task_ce(json.loads(path.read_text())), where=str(path))

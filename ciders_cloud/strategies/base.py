@@ -83,6 +83,6 @@ class Strategy:
         """Eq. (12) from the round's mean displacement (its private mean under differential privacy)."""
         return server_update(v, c, mean, hp.tau, hp.local_steps, hp.eta, hp.alpha)
 
-    def takd(self, hp: RoundHyperparams) -> tuple[int, float | None]:
-        """TAKD steps after aggregation and the task-CE weight to use (``None``: the run's)."""
+    def takd(self, hp: RoundHyperparams) -> tuple[int, float]:
+        """TAKD steps after aggregation (eq. 13) and the task-CE weight of their loss (eq. 2)."""
         return hp.takd_steps, hp.takd_lambda_task

@@ -19,4 +19,4 @@ class FedAvg(Strategy):
         return replace(hp.replace(gamma=0.0, eps_prox=0.0, eta_in=0.0, tau=1.0, solver="fo"), bilevel=None)
 
     def takd(self, hp):
-        return 0, None
+        return 0, hp.takd_lambda_task

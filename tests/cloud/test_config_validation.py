@@ -7,9 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.run.config import RunConfig, TakdConfig
+from ciders_cloud.prepare import prepare
+from ciders_cloud.run.config import RunConfig, TakdConfig, load_run
 from ciders_cloud.run.config_file import load_config
-from ciders_cloud.strategies import FedNestSettings, round_hyperparams_for
+from ciders_cloud.strategies import FedNestSettings, round_hyperparams_for, round_takd
 from ciders_edge.cli import app as edge
 from ciders_edge.config import check_value
 from ciders_edge.errors import ConfigError
@@ -150,6 +151,7 @@ def test_prepare_with_the_paper_preset_then_aggregate(demo_dir, tmp_path):
     assert r.exit_code == 0, r.output
     saved = json.loads((run / "run.json").read_text())
     assert saved["client_ids"] == [] and saved["hyperparameters"]["local_steps"] == 10
+    assert saved["hyperparameters"]["takd_lambda_task"] == 1.0  # eq. (2) as written in every round's TAKD too
     assert (saved["takd"]["hidden_loss"], saved["takd"]["task_loss"], saved["gamma_schedule"]) == (
         "mse",
         "ce",
@@ -166,7 +168,24 @@ def test_prepare_with_the_paper_preset_then_aggregate(demo_dir, tmp_path):
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["clients"] == ["a"] and summary["next_round"] == 1 and summary["takd_steps"] == 5
-    assert (run / "bundles" / "cpu-laptop" / "round-0001").is_dir()
+    manifest = json.loads((run / "bundles" / "cpu-laptop" / "round-0001" / "manifest.json").read_text())
+    assert (manifest["takd_loss"]["task_loss"], manifest["takd_loss"]["lambda_task"]) == ("ce", 1.0)
+
+
+def test_a_rounds_takd_drops_the_task_ce_and_a_run_from_before_keeps_it(demo_dir, tmp_path):
+    """run.json names the round's task-CE weight; one written before the default became 0 (it named none)
+    ran its rounds' TAKD at ``takd.lambda_task`` and, resumed, goes on so."""
+    run = RunConfig(model="tiny", messenger_depth=2, drop_ratio=0.5, layer_steps=1, align_steps=1,
+                    public_data=str(demo_dir / "public.jsonl"), takd={"seq_len": 64, "lambda_task": 0.5},
+                    hyperparameters={"local_steps": 1})  # fmt: skip
+    prepare(run, tmp_path / "new")
+    assert round_takd(load_run(tmp_path / "new"), 1)[1].lambda_task == 0.0
+    saved = json.loads((tmp_path / "new" / "run.json").read_text())
+    assert saved["hyperparameters"]["local_steps"] == 1 and saved["hyperparameters"]["takd_lambda_task"] == 0.0
+    del saved["hyperparameters"]["takd_lambda_task"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "run.json").write_text(json.dumps(saved))
+    assert round_takd(load_run(tmp_path / "old"), 1)[1].lambda_task == 0.5
 
 
 def test_simulate_with_the_paper_preset(demo_dir, tmp_path):
@@ -183,6 +202,7 @@ def test_simulate_with_the_paper_preset(demo_dir, tmp_path):
     run = json.loads((out / "run" / "run.json").read_text())
     assert run["client_ids"] == ["client-00", "client-01"] and run["hyperparameters"]["local_steps"] == 1
     assert (run["hyperparameters"]["eta"], run["takd"]["hidden_loss"], run["takd"]["task_loss"]) == (1e-4, "mse", "ce")
+    assert run["hyperparameters"]["takd_lambda_task"] == 1.0
     rounds = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["gamma"] for r in rounds if r["type"] == "round"] == [0.9]  # protocol C's gamma_0
 

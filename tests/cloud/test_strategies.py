@@ -66,33 +66,33 @@ def test_localot_aggregates_nothing_and_edges_continue_their_own_messenger():
 @pytest.mark.parametrize(
     ("name", "shipped", "takd"),
     [
-        ("ciders-fo", {"solver": "fo", "gamma": 0.05, "tau": 0.1}, (3, None)),
-        ("ciders-fd", {"solver": "fd", "gamma": 0.05}, (3, None)),
-        ("fedavg", {"solver": "fo", "gamma": 0.0, "tau": 1.0}, (0, None)),
-        ("scaffold", {"gamma": 1.0, "alpha": 1.0, "eta_in": 0.0}, (0, None)),
-        ("fedot", {"gamma": 0.0, "tau": 1.0}, (0, None)),
+        ("ciders-fo", {"solver": "fo", "gamma": 0.05, "tau": 0.1}, (3, 1.0)),
+        ("ciders-fd", {"solver": "fd", "gamma": 0.05}, (3, 1.0)),
+        ("fedavg", {"solver": "fo", "gamma": 0.0, "tau": 1.0}, (0, 1.0)),
+        ("scaffold", {"gamma": 1.0, "alpha": 1.0, "eta_in": 0.0}, (0, 1.0)),
+        ("fedot", {"gamma": 0.0, "tau": 1.0}, (0, 1.0)),
         ("fedbiot", {"eps_prox": 0.01, "tau": 1.0}, (3, 0.0)),  # MSE + KL re-alignment, no task CE
-        ("localot", {"start_from": "personalized"}, (0, None)),
-        ("fednest", {"solver": "svrg", "tau": 1.0, "bilevel": {"probe_batches": 4}}, (3, None)),
-        ("lfednest", {"solver": "fo", "bilevel": {"probe_batches": 4, "grad_y_in_packet": True}}, (3, None)),
+        ("localot", {"start_from": "personalized"}, (0, 1.0)),
+        ("fednest", {"solver": "svrg", "tau": 1.0, "bilevel": {"probe_batches": 4}}, (3, 1.0)),
+        ("lfednest", {"solver": "fo", "bilevel": {"probe_batches": 4, "grad_y_in_packet": True}}, (3, 1.0)),
     ],
 )
 def test_what_each_strategy_ships_and_distils(name, shipped, takd):
     s = get_strategy(name)
     hp = s.round_hyperparams(HP, 1, "constant")
     assert {k: getattr(hp, k) for k in shipped} == shipped
-    assert s.takd(hp) == takd
+    assert s.takd(hp.replace(takd_lambda_task=1.0)) == takd  # the paper's task CE, where a strategy keeps it
     assert s.needs_probe == (name == "fednest")
     assert ("bilevel" in hp.to_dict()) == name.endswith("fednest")  # no other bundle names FedNest's ask
     written = s.round_hyperparams(HP.replace(bilevel={"grad_y_in_packet": True}), 1, "constant")
     assert written.bilevel == hp.bilevel  # a hand-written ask reaches no bundle: the strategy decides it
 
 
-def test_a_round_sets_its_takd_task_ce_weight_and_no_bundle_names_it_unset():
-    hp = HP.replace(takd_lambda_task=0.0)  # CIDERS' per-round TAKD with FedBiOT's loss (long_run.py's ablation)
-    assert get_strategy("ciders-fo").takd(hp) == (3, 0.0) and get_strategy("fednest").takd(hp) == (3, 0.0)
+def test_a_round_sets_its_takd_task_ce_weight_and_every_bundle_names_it():
+    paper = HP.replace(takd_lambda_task=1.0)  # eq. (2) as written, in every round (the `paper` preset)
+    assert HP.takd_lambda_task == 0.0 and HP.to_dict()["takd_lambda_task"] == 0.0  # the default: no task CE
+    assert get_strategy("ciders-fo").takd(HP) == (3, 0.0) and get_strategy("fednest").takd(paper) == (3, 1.0)
     assert get_strategy("fedbiot").takd(HP.replace(takd_lambda_task=2.0)) == (3, 0.0)  # FedBiOT's is its own
-    assert "takd_lambda_task" not in HP.to_dict() and hp.to_dict()["takd_lambda_task"] == 0.0
     with pytest.raises(ConfigError, match="`takd_lambda_task` must be a non-negative number, got -1.0"):
         HP.replace(takd_lambda_task=-1.0)
 
@@ -102,10 +102,10 @@ def test_a_bundle_names_the_takd_loss_that_distilled_its_backbone():
         run = RunConfig(algorithm=algorithm, hyperparameters=HP.replace(**hp).to_dict())
         return bundle_takd_loss(run, round_).lambda_task
 
-    assert task_ce("ciders-fo", 0) == task_ce("ciders-fo", 3) == 1.0  # the run's, as prepare's bootstrap
+    assert task_ce("ciders-fo", 0) == 1.0 and task_ce("ciders-fo", 3) == 0.0  # prepare's bootstrap, then a round's
     assert task_ce("fedbiot", 0) == 1.0 and task_ce("fedbiot", 1) == 0.0  # round 0's backbone is the bootstrap's
-    assert task_ce("ciders-fo", 2, takd_lambda_task=0.0) == 0.0  # long_run.py's ciders-fo-no-task-ce
-    assert task_ce("fedavg", 5) == task_ce("ciders-fo", 5, takd_steps=0, takd_lambda_task=0.0) == 1.0  # no TAKD ran
+    assert task_ce("ciders-fo", 2, takd_lambda_task=1.0) == 1.0  # the paper's (long_run.py's ciders-fo-task-ce)
+    assert task_ce("fedavg", 5) == task_ce("ciders-fo", 5, takd_steps=0) == 1.0  # no TAKD ran: the bootstrap's
 
 
 def test_protocol_c_schedules_gamma_and_an_unknown_name_is_refused():
