@@ -71,7 +71,7 @@ def run_command(fn: Callable[[], dict[str, Any]], as_json: bool, render: Callabl
     try:
         summary = fn()
     except CidersError as err:
-        console.print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except OSError as err:
         if err.errno not in FILE_ERRNOS:

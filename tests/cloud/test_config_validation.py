@@ -97,6 +97,17 @@ def test_a_tables_own_checks_run_at_load_with_the_file_named(tmp_path):
         load_config(path, "prepare")
 
 
+def test_a_tables_error_names_its_table_on_the_command_line(demo_dir, tmp_path):
+    """Rich took ``[hyperparameters]`` in an error for markup and printed the line without it."""
+    path = _toml(tmp_path, "[hyperparameters]\ntakd_lambda_task = -1\n")
+    args = ["prepare", "--config", path, "--model", "tiny", "--public-data", str(demo_dir / "public.jsonl")]
+    r = runner.invoke(cloud, [*args, "--out", str(tmp_path / "out")])
+    assert r.exit_code == 1 and not (tmp_path / "out").exists()
+    assert r.stderr.strip().endswith(
+        "c.toml: [hyperparameters] `takd_lambda_task` must be a non-negative number, got -1."
+    )
+
+
 def test_paper_preset_means_the_same_to_prepare_and_simulate():
     sim = load_config("paper", "simulate")
     assert (sim["clients"], sim["rounds"], sim["local_steps"]) == (5, 150, 10)
