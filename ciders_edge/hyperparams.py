@@ -31,10 +31,9 @@ class RoundHyperparams(ConfigMixin):
 
     eta, K and tau personalize in a few rounds (``benchmarks/defaults_sweep.py``); the paper's
     1e-4, 10 and 0.02 assume 150 rounds and are the ``paper`` preset. The round's TAKD drops eq. (2)'s
-    task CE (``takd_lambda_task = 0``): in ``benchmarks/long_run.py``'s four settings the personalized
-    messenger on the full backbone, the model a device deploys, ends 0.04-0.11 nats lower for at most
-    0.04 on the emulator (benchmarks/RESULTS.md); the paper's 1 is the ``paper`` preset. The rest are the
-    paper's (Qwen2.5-3B, protocol A); ``eta_in`` defaults to ``eta``.
+    task CE (``takd_lambda_task = 0``): with it, the messengers transfer worse to the full backbone a
+    device deploys (docs/models.md, *The task term*); the paper's 1 is the ``paper`` preset. The rest are
+    the paper's (Qwen2.5-3B, protocol A); ``eta_in`` defaults to ``eta``.
     """
 
     CHOICES = {

@@ -268,11 +268,10 @@ def _with_fednest_table(d: dict[str, Any]) -> dict[str, Any]:
 def _with_round_task_ce(d: dict[str, Any]) -> dict[str, Any]:
     """A run.json from before the round's TAKD dropped the task CE by default (it then named no
     ``takd_lambda_task``) ran it at ``takd.lambda_task``, and goes on so when resumed."""
-    hp, takd = d.get("hyperparameters"), d.get("takd")
-    if not isinstance(hp, dict) or "takd_lambda_task" in hp:
-        return d
-    weight = takd.get("lambda_task", TakdConfig.lambda_task) if isinstance(takd, dict) else TakdConfig.lambda_task
-    return {**d, "hyperparameters": {**hp, "takd_lambda_task": weight}}
+    hp, takd = d.get("hyperparameters"), d.get("takd", {})
+    if not isinstance(hp, dict) or not isinstance(takd, dict) or "takd_lambda_task" in hp:
+        return d  # up to date, or malformed: RunConfig's checks name what is wrong
+    return {**d, "hyperparameters": {**hp, "takd_lambda_task": takd.get("lambda_task", TakdConfig.lambda_task)}}
 
 
 def load_run(run_dir: Path) -> RunConfig:
