@@ -17,8 +17,9 @@ algorithm) is one ``simulate`` study, grown ``--step`` rounds a pass with ``simu
 grow together and a stop loses at most the round in flight. After each pass it writes, over every study
 under ``--out``, ``results/long_run.{json,md}`` and per setting ``results/long_run/<setting>.png``
 (matched-domain NLL on the AdapEmu and on AdapFu, the global messenger's on both, Delta_cross against rounds,
-matched NLL against bytes). A study whose folder is gone (machines are not kept between sessions) keeps the
-curves the last report recorded for it, with the command and commit that ran it.
+matched NLL against bytes); the table says of each curve whether it has reached its plateau
+(:data:`PLATEAU_ROUNDS`, :data:`PLATEAU_NATS`). A study whose folder is gone (machines are not kept between
+sessions) keeps the curves the last report recorded for it, with the command and commit that ran it.
 
 On a GPU (``--device cuda``) the cloud's TAKD and evaluation run there, and so do the edges: every client runs
 a copy of ``--profile`` that targets the GPU (same depth, drop ratio, rank, batches and dtype). Its results go
@@ -44,6 +45,9 @@ DOMAINS = ("medical", "finance", "customer_support", "code", "general")
 ALGORITHMS = ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedbiot", "localot")
 SETTINGS = ("b", "c0.1", "c1.0", "partial")
 SOURCE = "long_run_source.json"  # in each study: the calls that grew it (command, commit, rounds)
+# A curve has reached its plateau when its last PLATEAU_ROUNDS rounds lower its best matched NLL by less than
+# PLATEAU_NATS: below the 0.03-0.05 nats that the 6-8 records scored a client move from one evaluation to the next.
+PLATEAU_ROUNDS, PLATEAU_NATS = 8, 0.02
 # The ablation: CIDERS-FO without one of what sets it apart from FedAvg (which is CIDERS-FO without all of
 # them), to find which part pays for its cost. Each arm is CIDERS-FO with these round hyperparameters.
 # The rounds' TAKD has had no task CE by default since `-no-task-ce` showed, on B, c0.1, c1.0 and partial, that
@@ -247,9 +251,14 @@ def report(args: argparse.Namespace) -> None:
                 ablation.append(_ablation_row(setting, a, runs, min(last[a], common)))
         plot(setting, runs, RESULTS / args.results / f"{setting}.png")
     header = ["setting", "algorithm", "round", "matched NLL (pers.)", "vs FedAvg", "best (round)"]
+    header += [f"gain, last {PLATEAU_ROUNDS} rounds"]
     header += ["AdapFu matched NLL (pers.)", "vs FedAvg", "global NLL", "AdapFu global NLL", "Δcross"]
     header += ["s / round", "vs FedAvg", "MB / round"]
-    notes = []
+    notes = [
+        f"A curve's gain over its last {PLATEAU_ROUNDS} rounds is how much they lowered its best matched NLL; "
+        f"under {PLATEAU_NATS} nats it has reached its plateau.",
+        "",
+    ]
     if ablation:
         head = ["setting", "arm", "round", "matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg"]
         head += ["AdapFu matched NLL (pers.)", "vs CIDERS-FO", "vs FedAvg", "s / round", "vs CIDERS-FO"]
@@ -307,11 +316,22 @@ def _row(setting: str, a: str, runs: dict, t: int) -> list[str]:
     best = min(c["points"], key=lambda q: q["matched"])
     return [
         setting, a, str(t), f"{p['matched']:.4f}", _vs(p, ref, "matched"), f"{best['matched']:.4f} ({best['round']})",
-        f"{p['adapfu']:.4f}", _vs(p, ref, "adapfu"),
+        _recent_gain(c, t), f"{p['adapfu']:.4f}", _vs(p, ref, "adapfu"),
         f"{p['global']:.4f}", f"{p['adapfu_global']:.4f}" if p.get("adapfu_global") is not None else "-",
         f"{p['delta_cross']:.4f}" if p["delta_cross"] is not None else "-",
         f"{c['wall_s']:.0f}", _ratio(c, runs.get("fedavg")), f"{c['bytes_per_round'] / 1e6:.2f}",
     ]  # fmt: skip
+
+
+def _recent_gain(c: dict, t: int) -> str:
+    """How much the last :data:`PLATEAU_ROUNDS` rounds up to ``t`` lowered the curve's best matched NLL, and
+    whether that is its plateau ("-": it has not run that long)."""
+    before = [p["matched"] for p in c["points"] if p["round"] <= t - PLATEAU_ROUNDS]
+    since = [p["matched"] for p in c["points"] if t - PLATEAU_ROUNDS < p["round"] <= t]
+    if not before or not since:
+        return "-"
+    gain = min(before) - min(since)
+    return f"{gain:+.4f}" + (" (plateau)" if gain < PLATEAU_NATS else "")
 
 
 def _ablation_row(setting: str, a: str, runs: dict, t: int) -> list[str]:

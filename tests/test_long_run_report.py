@@ -45,7 +45,7 @@ def test_report_reads_the_table_at_the_common_round_and_each_ablation_arm_at_its
     table = {row.split(" | ")[1]: row.split(" | ") for row in md.splitlines() if row.startswith("| b |")}
     assert table["ciders-fo"][2:5] == ["4", "2.8600", "-0.1000"]  # at round 4, the last both main studies reached
     assert table["fedavg"][2:5] == ["4", "2.9600", "+0.0000"]
-    assert table["ciders-fo"][9] == "2.3600" and table["ciders-fo"][12] == "1.50x"  # the global messenger on AdapFu
+    assert table["ciders-fo"][10] == "2.3600" and table["ciders-fo"][13] == "1.50x"  # the global messenger on AdapFu
     arm = table["ciders-fo-no-takd"]  # at round 2: vs CIDERS-FO (2.88) and FedAvg (2.98) there
     assert arm[2:6] == ["2", "2.9300", "+0.0500", "-0.0500"]
     assert arm[10].strip(" |") == "0.75x"
@@ -54,6 +54,18 @@ def test_report_reads_the_table_at_the_common_round_and_each_ablation_arm_at_its
     assert saved["settings"]["b"]["ciders-fo"]["points"][0] == {
         "round": 0, "matched": 3.0, "adapfu": 2.0, "global": 3.0, "adapfu_global": 2.0, "delta_cross": 0.0, "bytes": 0,
     }  # fmt: skip
+
+
+def test_a_curve_is_at_its_plateau_once_eight_rounds_lower_its_best_by_under_0_02():
+    def curve(*matched: float) -> dict:  # evaluated every 4 rounds from round 0
+        return {"points": [{"round": 4 * i, "matched": m} for i, m in enumerate(matched)]}
+
+    assert long_run._recent_gain(curve(4.17, 4.10, 4.05, 4.02), 12) == "+0.0800"  # best 4.10 at 4, 4.02 since
+    assert long_run._recent_gain(curve(4.17, 4.10, 4.05, 4.02, 4.04, 4.03), 20) == "-0.0100 (plateau)"
+    assert long_run._recent_gain(curve(4.17, 4.10, 4.05, 4.02, 4.01, 4.005), 20) == "+0.0150 (plateau)"
+    assert long_run._recent_gain(curve(4.17, 4.10, 4.05, 4.02, 4.01, 3.99), 20) == "+0.0300"
+    assert long_run._recent_gain(curve(4.17, 4.10, 4.05, 4.02), 8) == "+0.1200"  # read at round 8, not the last
+    assert long_run._recent_gain(curve(4.17, 4.10), 4) == "-"  # not 8 rounds yet
 
 
 def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replaces_it(tmp_path, results, monkeypatch):
