@@ -22,9 +22,18 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-# Every figure pinned per CPU kernel family: AVX2 and AVX-512 float32 kernels round differently, and three
+# Every figure pinned per CPU kernel family and maker: AVX2 and AVX-512 float32 kernels round differently, and three
 # rounds carry that to 3e-5 (FedAvg) and 1.5e-3 (TAKD's KL) relative, far past what a refactor may move
-CAPABILITY = torch.backends.cpu.get_cpu_capability().lower()
+def _cpu_vendor() -> str:
+    """The CPU's maker: MKL and oneDNN pick other fp32 kernels on Intel than on AMD at the same ISA level, and three
+    rounds on an Intel AVX-512 CPU move the figures up to 1.3e-3 relative from an AMD AVX-512 one's."""
+    cpuinfo = Path("/proc/cpuinfo")
+    vendor = next((ln.split(":")[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("vendor_id")),
+                  "") if cpuinfo.is_file() else ""  # fmt: skip
+    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, vendor.lower() or "unknown")
+
+
+CAPABILITY = f"{torch.backends.cpu.get_cpu_capability().lower()}-{_cpu_vendor()}"  # the kernels the figures came from
 GOLDEN = Path(__file__).parents[1] / "fixtures" / f"simulate_metrics.{CAPABILITY}.json"
 UNPINNED = ("wall_s", "bytes_down")  # a clock, and the bundles' size (their manifest may gain or lose a field)
 
