@@ -14,8 +14,9 @@ Every client runs ``--profile`` (default ``rpi5-8gb``: messenger depth 2, drop r
 step), the smallest edge and the cheapest to simulate for many rounds. Each (setting,
 algorithm) is one ``simulate`` study, grown ``--step`` rounds a pass with ``simulate --resume`` until
 ``--rounds``, the given settings' studies to the same round before any goes further, so that their curves
-grow together and a stop loses at most the round in flight. After each pass it writes, over every study
-under ``--out``, ``results/long_run.{json,md}`` and per setting ``results/long_run/<setting>.png``
+grow together and a stop loses at most the round in flight. After each pass it writes, over the studies
+under ``--out`` of the settings it names or its report already holds, ``results/long_run.{json,md}`` and per
+setting ``results/long_run/<setting>.png``
 (matched-domain NLL on the AdapEmu and on AdapFu, the global messenger's on both, Delta_cross against rounds,
 matched NLL against bytes); the table says of each curve whether it has reached its plateau
 (:data:`PLATEAU_ROUNDS`, :data:`PLATEAU_NATS`). A study whose folder is gone (machines are not kept between
@@ -235,7 +236,7 @@ def report(args: argparse.Namespace) -> None:
     ablation's (each arm at its last evaluation, against CIDERS-FO's and FedAvg's there) and the curves."""
     table, ablation, payload = [], [], {}
     recorded, here = _recorded(args.results), this_call()
-    for setting in SETTINGS:  # every setting and algorithm that has run, whichever this call grew
+    for setting in _reported(args, recorded):  # each of their algorithms that has run, whichever this call grew
         runs = {a: _latest(curves(args.out / setting / a), recorded.get(setting, {}).get(a), here) for a in
                 (*ALGORITHMS, *ABLATIONS)}  # fmt: skip
         runs = {a: c for a, c in runs.items() if c is not None}
@@ -269,6 +270,13 @@ def report(args: argparse.Namespace) -> None:
     write_results(
         args.results, {"settings": payload, "args": vars(args) | {"out": str(args.out)}}, table, header, notes
     )
+
+
+def _reported(args: argparse.Namespace, recorded: dict) -> list[str]:
+    """The settings a report covers: those it already holds and those this call names. Not every setting with
+    studies under ``--out``: a report of partial participation stays one, beside B's studies in the same folder."""
+    named = args.settings.split(",")
+    return [s for s in SETTINGS if s in named or s in recorded]
 
 
 def _recorded(name: str) -> dict:

@@ -28,6 +28,11 @@ def _study(out: Path, rounds: int, nll: float, wall_s: float) -> None:
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def _args(out: Path, settings: str, results: str = "long_run") -> long_run.argparse.Namespace:
+    """A report call's arguments, as ``long_run.py --out <out> --settings <settings> --results <results>``."""
+    return long_run.argparse.Namespace(out=out, settings=settings, results=results)
+
+
 @pytest.fixture
 def results(tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
@@ -40,7 +45,7 @@ def test_report_reads_the_table_at_the_common_round_and_each_ablation_arm_at_its
     _study(runs / "b" / "fedavg", rounds=6, nll=3.0, wall_s=40)
     _study(runs / "b" / "ciders-fo", rounds=4, nll=2.9, wall_s=60)
     _study(runs / "b" / "ciders-fo-no-takd", rounds=2, nll=2.95, wall_s=45)  # behind: must not pull the table back
-    long_run.report(long_run.argparse.Namespace(out=runs, results="long_run"))
+    long_run.report(_args(runs, "b"))
     md = (results / "long_run.md").read_text()
     table = {row.split(" | ")[1]: row.split(" | ") for row in md.splitlines() if row.startswith("| b |")}
     assert table["ciders-fo"][2:5] == ["4", "2.8600", "-0.1000"]  # at round 4, the last both main studies reached
@@ -54,6 +59,19 @@ def test_report_reads_the_table_at_the_common_round_and_each_ablation_arm_at_its
     assert saved["settings"]["b"]["ciders-fo"]["points"][0] == {
         "round": 0, "matched": 3.0, "adapfu": 2.0, "global": 3.0, "adapfu_global": 2.0, "delta_cross": 0.0, "bytes": 0,
     }  # fmt: skip
+
+
+def test_a_report_covers_the_settings_it_holds_and_those_named_not_every_study_under_out(tmp_path, results):
+    runs = tmp_path / "runs"  # B's studies and partial participation's in one folder
+    _study(runs / "b" / "fedavg", rounds=4, nll=3.0, wall_s=40)
+    _study(runs / "partial" / "fedavg", rounds=4, nll=3.2, wall_s=40)
+    long_run.report(_args(runs, "partial", results="long_run_partial"))
+    saved = json.loads((results / "long_run_partial.json").read_text())["settings"]
+    assert set(saved) == {"partial"}
+    assert "| b |" not in (results / "long_run_partial.md").read_text()
+    assert not (results / "long_run_partial" / "b.png").exists()
+    long_run.report(_args(runs, "b", results="long_run_partial"))  # partial stays: the report holds it
+    assert set(json.loads((results / "long_run_partial.json").read_text())["settings"]) == {"b", "partial"}
 
 
 def test_a_curve_is_at_its_plateau_once_eight_rounds_lower_its_best_by_under_0_02():
@@ -73,7 +91,7 @@ def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replace
     _study(first / "b" / "fedavg", rounds=6, nll=3.0, wall_s=40)
     _study(first / "b" / "ciders-fo", rounds=6, nll=2.9, wall_s=60)
     monkeypatch.setattr(sys, "argv", ["long_run.py", "--settings", "b"])
-    long_run.report(long_run.argparse.Namespace(out=first, results="long_run"))
+    long_run.report(_args(first, "b"))
     _study(second / "c0.1" / "fedavg", rounds=2, nll=4.0, wall_s=100)  # a later session: b's folders are gone
     _study(second / "b" / "fedavg", rounds=2, nll=3.5, wall_s=40)  # and b's FedAvg started over: not as far
     _study(second / "b" / "ciders-fo", rounds=8, nll=2.9, wall_s=60)  # CIDERS-FO resumed further
@@ -83,7 +101,7 @@ def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replace
     ]
     (second / "b" / "ciders-fo" / long_run.SOURCE).write_text(json.dumps(grown_by))
     monkeypatch.setattr(sys, "argv", ["long_run.py", "--settings", "c0.1"])
-    long_run.report(long_run.argparse.Namespace(out=second, results="long_run"))
+    long_run.report(_args(second, "c0.1"))
     saved = json.loads((results / "long_run.json").read_text())["settings"]
     source = {(s, a): [c["command"] for c in c["sources"]] for s, runs in saved.items() for a, c in runs.items()}
     assert source == {
@@ -96,9 +114,7 @@ def test_a_study_lost_with_its_machine_keeps_its_place_and_a_further_one_replace
     assert "| b | fedavg | 6 | 2.9400 |" in md and "| c0.1 | fedavg | 2 | 3.9800 |" in md
     assert "- b: `long_run.py --settings b` at" in md and "`long_run.py --settings c0.1` at" in md
     assert "; `long_run.py --settings b --rounds 8` at def5678 (rounds 7-8)" in md
-    long_run.report(
-        long_run.argparse.Namespace(out=tmp_path / "third", results="long_run")
-    )  # none live: the record, read back
+    long_run.report(_args(tmp_path / "third", "b"))  # none live: the record, read back
     again = json.loads((results / "long_run.json").read_text())["settings"]
     assert again["b"]["ciders-fo"]["sources"] == saved["b"]["ciders-fo"]["sources"]
 
