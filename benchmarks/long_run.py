@@ -273,10 +273,10 @@ def report(args: argparse.Namespace) -> None:
 
 
 def _reported(args: argparse.Namespace, recorded: dict) -> list[str]:
-    """The settings a report covers: those it already holds and those this call names. Not every setting with
+    """The settings a report covers: those it holds studies of and those this call names. Not every setting with
     studies under ``--out``: a report of partial participation stays one, beside B's studies in the same folder."""
     named = args.settings.split(",")
-    return [s for s in SETTINGS if s in named or s in recorded]
+    return [s for s in SETTINGS if s in named or recorded.get(s)]  # a report once held every setting, most empty
 
 
 def _recorded(name: str) -> dict:

@@ -70,6 +70,10 @@ def test_a_report_covers_the_settings_it_holds_and_those_named_not_every_study_u
     assert set(saved) == {"partial"}
     assert "| b |" not in (results / "long_run_partial.md").read_text()
     assert not (results / "long_run_partial" / "b.png").exists()
+    record = results / "long_run_partial.json"  # as reports wrote it before: every setting, the empty ones too
+    record.write_text(json.dumps({**json.loads(record.read_text()), "settings": {"b": {}, **saved}}))
+    long_run.report(_args(runs, "partial", results="long_run_partial"))
+    assert set(json.loads(record.read_text())["settings"]) == {"partial"}
     long_run.report(_args(runs, "b", results="long_run_partial"))  # partial stays: the report holds it
     assert set(json.loads((results / "long_run_partial.json").read_text())["settings"]) == {"b", "partial"}
 
