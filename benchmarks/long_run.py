@@ -147,10 +147,11 @@ def dolly_public(out: Path, dolly: Path) -> Path:
     return path
 
 
-def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> None:
+def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> bool:
     """Bring the study in ``out`` to ``rounds`` rounds: made by ``simulate``'s first round (a study is kept only
     once its first call ends: a stop in a longer one would lose every round of it), then ``simulate --resume``;
-    the call is noted in the study (:data:`SOURCE`) for the report."""
+    the call is noted in the study (:data:`SOURCE`) for the report. Whether it ran a round: a call that resumes
+    studies further on passes their earlier targets without running one."""
     from ciders_cloud.study.resume import resume
     from ciders_cloud.study.simulate import simulate
 
@@ -166,6 +167,7 @@ def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> None:
     finally:  # also when stopped (SIGTERM, as `timeout` sends, or Ctrl-C): the rounds it finished are its own
         if (after := _rounds_done(out)) > before:  # atomically: a torn write would lose the history
             write_json(out / SOURCE, [*_sources(out), {**this_call(), "rounds": [before + 1, after]}])
+    return after > before
 
 
 def _sources(out: Path) -> list[dict]:
@@ -445,12 +447,13 @@ def main() -> None:
 
         quiet_libraries()
         for target in range(min(args.step, args.rounds), args.rounds + args.step, args.step):
+            grew = False
             for setting in args.settings.split(","):
                 for algorithm in args.algorithms.split(","):
                     out = args.out / setting / algorithm
-                    grow(study_config(setting, algorithm, args), out, min(target, args.rounds), args.device)
-            if not args.no_report:
-                report(args)  # after every pass: the results so far
+                    grew |= grow(study_config(setting, algorithm, args), out, min(target, args.rounds), args.device)
+            if grew and not args.no_report:
+                report(args)  # after every pass that ran a round: the results so far
     if args.report_only or not args.no_report:
         report(args)
 

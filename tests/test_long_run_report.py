@@ -165,6 +165,26 @@ def test_a_call_stopped_by_a_signal_notes_the_rounds_it_finished(tmp_path, monke
     assert [s["rounds"] for s in long_run._sources(out)] == [[1, 8], [9, 11]]
 
 
+def test_grow_says_whether_it_ran_a_round_so_that_a_pass_that_ran_none_writes_no_report(tmp_path, monkeypatch):
+    from ciders_cloud.study import resume as resume_module
+    from ciders_cloud.study.config import SimConfig
+
+    _study(out := tmp_path / "b" / "fedavg", rounds=8, nll=3.0, wall_s=40)
+    (out / long_run.SOURCE).write_text(json.dumps([{"command": "c", "commit": "x", "rounds": [1, 8]}]))
+    cfg = SimConfig(data=["train.jsonl"], algorithm="fedavg", rounds=12)
+    (out / "config.json").write_text(json.dumps(cfg.replace(rounds=8).to_dict()))
+
+    def one_round(path, rounds, device):
+        with (path / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"type": "round", "round": long_run._rounds_done(path)}) + "\n")
+        (path / "config.json").write_text(json.dumps(cfg.replace(rounds=rounds).to_dict()))
+
+    monkeypatch.setattr(resume_module, "resume", one_round)
+    assert long_run.grow(cfg, out, 4) is False  # at round 8 already: a resumed call's earlier target
+    assert long_run.grow(cfg, out, 9) is True
+    assert [s["rounds"] for s in long_run._sources(out)] == [[1, 8], [9, 9]]
+
+
 def test_a_diverged_study_is_left_out_of_an_nll_panels_range_and_named_so():
     import matplotlib
 
