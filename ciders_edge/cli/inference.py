@@ -151,7 +151,7 @@ def evaluate(
     base: Annotated[bool, typer.Option("--base", help="Score the messenger layers without LoRA.")] = False,
     compare: Annotated[
         bool,
-        typer.Option(help="Score the base model, the AdapEmu (global, personalized) and AdapFu (personalized)."),
+        typer.Option(help="Score the base model, and the global and personalized messengers on AdapEmu and AdapFu."),
     ] = False,
     export: Annotated[
         list[Path] | None,

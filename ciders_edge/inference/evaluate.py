@@ -49,8 +49,15 @@ __all__ = [
     "COMPARE",
 ]
 
-# ``evaluate --compare``: where the user started, what the federation gives, what personalization gives
-COMPARE = (("full", "base"), ("emu", "global"), ("emu", "personalized"), ("full", "personalized"))
+# ``evaluate --compare``: where the user started, what the federation gives, what personalization gives; the
+# global messenger on AdapFu too, as a device that trains a few rounds of many can find it better than its own
+COMPARE = (
+    ("full", "base"),
+    ("emu", "global"),
+    ("emu", "personalized"),
+    ("full", "global"),
+    ("full", "personalized"),
+)
 
 
 @torch.no_grad()
