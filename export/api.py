@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from ciders_edge.errors import ConfigError, ExportError
 from ciders_edge.formats.atomic import fsync_tree, named_errors, replace_dir, staging_dir, write_json
@@ -25,7 +26,7 @@ from ciders_edge.formats.export_folder import FORMAT as EXPORT_FORMAT
 from ciders_edge.formats.export_folder import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, resolve_backbone
 from export.check import all_logits, check_inputs, compare_logits
-from export.genai import save_genai
+from export.genai import check_genai, save_genai
 from export.gguf import gguf_torch_model, plan_gguf, save_gguf
 from export.onnx import save_onnx
 
@@ -58,10 +59,13 @@ def export_model(
         b = Bundle.load(bundle)
         backbone = resolve_backbone(b, backbone)
         plan = plan_gguf(b, backbone, merged, quantize, base_gguf) if fmt == "gguf" else None
+        if fmt == "genai":
+            check_genai(AutoConfig.from_pretrained(b.path), f"{b.path} ({b.manifest['base_model']['id']})")
         quantize = plan.quantize if plan else quantize
         edge, source = load_personalized(b, state, use_global, torch.float32, backbone, base_model)
         inputs = check_inputs(edge.tokenizer)
         reference = all_logits(edge.model, inputs)  # the unmerged model, LoRA live
+        config = edge.model.get_base_model().config  # what a GGUF is read back as
     with named_errors(out):
         staging = staging_dir(out)
     try:
@@ -74,7 +78,9 @@ def export_model(
         del edge
         manifest = export_manifest(staging, fmt, quantize, source.to_dict(), extra)
         with stage(f"checking the export against the unmerged {'AdapFu' if backbone == 'full' else 'AdapEmu'}"):
-            exported = gguf_torch_model(staging, extra["gguf"]) if plan else Export(staging, manifest).load_model()
+            exported = (
+                gguf_torch_model(staging, extra["gguf"], config) if plan else Export(staging, manifest).load_model()
+            )
             check = compare_logits(inputs, reference, all_logits(exported, inputs))
         manifest["check"] = check
         with named_errors(out):

@@ -25,16 +25,35 @@ import subprocess
 import sys
 from pathlib import Path
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ciders_edge.errors import ExportError
 from ciders_edge.formats.export_folder import GENAI_CONFIG
 
-__all__ = ["save_genai", "GENAI_QUANTIZATIONS"]
+__all__ = ["save_genai", "check_genai", "GENAI_QUANTIZATIONS"]
 
 GENAI_QUANTIZATIONS = {"none": "fp32", "int8": "int8", "int4": "int4"}
 BLOCK_SIZE = 32
 SOURCE = ".hf-source"  # the merged model the builder reads, removed once it has written the graph
+# what builder 0.18 builds of the toolkit's families, and the rope scalings it computes (its make_rope_init)
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+ROPE_TYPES = {"default", "linear", "yarn", "llama3"}
+
+
+def check_genai(config: PretrainedConfig, what: str) -> None:
+    """Refuse, in one line and before anything loads, a model the builder cannot build as transformers runs it."""
+    arch = (config.architectures or ["?"])[0]
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope = scaling.get("rope_type", scaling.get("type", "default"))
+    problem = None
+    if arch not in ARCHITECTURES:
+        problem = f"architecture {arch}"
+    elif rope not in ROPE_TYPES or (rope == "llama3" and arch != "LlamaForCausalLM"):
+        problem = f"RoPE scaling {rope!r}"
+    if problem:
+        raise ExportError(
+            f"{what}: onnxruntime-genai's model builder cannot build {problem}; export --format onnx or hf instead"
+        )
 
 
 def save_genai(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path, quantize: str) -> None:
@@ -86,7 +105,9 @@ def _set_stop_tokens(path: Path, tokenizer: PreTrainedTokenizerBase, model: PreT
 
 def _transformers_compat() -> None:
     """What builder 0.18 expects of transformers 5: two model classes it imports (Qwen 3.5, unused
-    for Llama) and ``config.rope_parameters`` instead of a ``rope_scaling`` of None."""
+    for Llama), ``config.rope_parameters`` instead of a ``rope_scaling`` of None, and a Mistral's
+    sliding layers named in ``layer_types`` (without them it sizes a windowed cache for no layer and
+    the runtime fails on the first prompt longer than the window)."""
     import transformers  # noqa: F401  (loads the lazy module the next import replaces)
     from transformers import (  # noqa: F401  (these lazy imports swap sys.modules["transformers"])
         Gemma3ForConditionalGeneration,
@@ -103,11 +124,14 @@ def _transformers_compat() -> None:
     load = AutoConfig.from_pretrained
 
     def from_pretrained(*args, **kwargs):
-        config = load(*args, **kwargs)
+        loaded = load(*args, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded  # (config, unused kwargs) when asked
         if getattr(config, "rope_scaling", 0) is None:
             del config.rope_scaling
             config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta}
-        return config
+        if config.model_type == "mistral" and config.sliding_window is not None:  # every layer slides
+            config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        return loaded
 
     AutoConfig.from_pretrained = from_pretrained
 

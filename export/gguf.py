@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from ciders_edge.errors import ConfigError, ExportError
 from ciders_edge.formats.atomic import write_bytes
@@ -28,7 +29,8 @@ from ciders_edge.inference.personalize import merge_messenger
 from ciders_edge.model.adapemu import EdgeModel
 from ciders_edge.model.lora import MESSENGER_ADAPTER, lora_state
 from ciders_edge.model.sources import base_gguf, smollm2_gguf
-from export.gguf_tensors import GGUF_TYPES, SmolLM2Vocab, check_llama, read_adapter, write_adapter, write_model
+from export.gguf_arch import gguf_arch
+from export.gguf_tensors import GGUF_TYPES, SmolLM2Vocab, read_adapter, read_model, write_adapter, write_model
 
 __all__ = ["GgufPlan", "plan_gguf", "save_gguf", "gguf_torch_model", "ADAPTER_FILE", "MODEL_FILE", "BASE_FILE"]
 
@@ -50,9 +52,13 @@ class GgufPlan:
 
 
 def plan_gguf(bundle: Bundle, backbone: str, merged: bool, quantize: str, base: str | Path | None) -> GgufPlan:
-    """Check the options against the bundle: the quantize type, and that ``base`` is the bundle's base GGUF."""
+    """Check the options against the bundle: the quantize type, that llama.cpp runs its architecture, and
+    that ``base`` is the bundle's base GGUF."""
+    from transformers import AutoConfig
+
     if quantize != "none" and quantize not in GGUF_TYPES:
         raise ConfigError(f"--quantize for --format gguf must be one of {', '.join(GGUF_TYPES)}, got {quantize!r}")
+    gguf_arch(AutoConfig.from_pretrained(bundle.path), f"{bundle.path} ({bundle.manifest['base_model']['id']})")
     merged = merged or backbone == "emu"  # the AdapEmu's backbone is no model anyone has a GGUF of
     model_id = bundle.manifest["base_model"]["id"]
     known = base_gguf(model_id) if not merged else None
@@ -85,7 +91,7 @@ def save_gguf(edge: EdgeModel, plan: GgufPlan, folder: Path, source: dict, name:
     ``edge`` (a merged export folds the LoRA in place)."""
     config = edge.model.get_base_model().config
     model_id = edge.bundle.manifest["base_model"]["id"]
-    check_llama(config, f"{edge.bundle.path} ({model_id})")
+    gguf_arch(config, f"{edge.bundle.path} ({model_id})")
     vocab = SmolLM2Vocab.of(smollm2_gguf())  # tiny uses SmolLM2's tokenizer too; others are refused here
     vocab.check(edge.tokenizer.get_vocab(), f"{edge.bundle.path} ({model_id})")
     title = f"ciders {source['bundle_id'][:12]} {source.get('client_id') or source['messenger']}"
@@ -133,13 +139,27 @@ def _base_state(edge: EdgeModel) -> dict[str, torch.Tensor]:
     return {k.replace(".base_layer.", "."): v for k, v in state.items() if "lora_" not in k}
 
 
-def gguf_torch_model(folder: Path, entry: dict):
+def gguf_torch_model(folder: Path, entry: dict, config: PretrainedConfig | None = None):
     """The export as transformers computes it: the GGUF dequantized (and the adapter folded in) —
-    what ``export`` checks against the unmerged model and the tests compare with llama.cpp."""
-    from transformers import AutoModelForCausalLM
+    what ``export`` checks against the unmerged model and the tests compare with llama.cpp.
+
+    ``config``: the exported model's transformers config; ``None`` reads it from the GGUF's metadata as
+    transformers does (enough for a plain Llama, not for rope scaling or Gemma 3's layer pattern)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_utils import no_init_weights
 
     model_path = folder / entry["model"] if "model" in entry else Path(entry["base"]["path"])
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+    if config is None:
+        config = AutoConfig.from_pretrained(model_path.parent, gguf_file=model_path.name)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config.__class__.from_dict(config.to_dict()), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(read_model(model_path, config, list(model.state_dict())), strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ExportError(
+            f"{model_path}: its tensors do not match the model (missing {missing[:2]}, extra {unexpected[:2]})"
+        )
+    model.tie_weights()
     if entry["kind"] == "adapter":
         alpha, pairs = read_adapter(folder / entry["adapter"], model.config)
         params = dict(model.named_parameters())

@@ -1,11 +1,12 @@
 """GGUF files the way llama.cpp's own converters write them, with gguf-py's writer and quantizers.
 
-Names come from gguf-py's tensor map for the Llama architecture; q_proj and k_proj rows are
-permuted as ``convert_hf_to_gguf.py`` does (``LlamaModel.permute``: llama.cpp rotates adjacent pairs,
-transformers the two halves of each head). A LoRA adapter is written as ``convert_lora_to_gguf.py``
-writes one: ``<base tensor>.lora_a`` is A (rank x in), ``.lora_b`` is B (out x rank) with B's rows
-permuted like the base weight's, both float32, and ``adapter.lora.alpha`` (llama.cpp scales by
-alpha / rank, as PEFT does).
+Names come from gguf-py's tensor map for the model's llama.cpp architecture (:mod:`export.gguf_arch`:
+llama, qwen2, qwen3, gemma3); for the llama architecture q_proj and k_proj rows are permuted as
+``convert_hf_to_gguf.py`` does (``LlamaModel.permute``: llama.cpp rotates adjacent pairs, transformers
+the two halves of each head), and Gemma's norms are written as ``1 + w``. A LoRA adapter is written as
+``convert_lora_to_gguf.py`` writes one: ``<base tensor>.lora_a`` is A (rank x in), ``.lora_b`` is B
+(out x rank) with B's rows permuted like the base weight's, both float32, and ``adapter.lora.alpha``
+(llama.cpp scales by alpha / rank, as PEFT does).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ciders_edge.errors import ExportError
+from export.gguf_arch import GgufArch, extra_tensors, gguf_arch, write_hparams
 
 __all__ = [
     "GGUF_TYPES",
@@ -30,6 +32,7 @@ __all__ = [
     "write_model",
     "write_adapter",
     "read_adapter",
+    "read_model",
 ]
 
 # --quantize -> (type of the 2-D weights, llama.cpp's file type); norms stay float32
@@ -38,7 +41,6 @@ GGUF_TYPES = {
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
 }
-ARCH = gguf.MODEL_ARCH.LLAMA
 # the embedding (also the LM head when tied) keeps 8 bits under 4-bit weights, as the embedded base does
 EMBEDDING_FLOOR = gguf.GGMLQuantizationType.Q8_0
 
@@ -82,12 +84,12 @@ class SmolLM2Vocab:
             writer.add_key_value(key, f.contents(), kind, sub)
 
 
-def gguf_name(hf_name: str, n_layers: int) -> str:
-    """The GGUF name of a transformers Llama tensor (``model.layers.3.self_attn.q_proj.weight`` ->
-    ``blk.3.attn_q.weight``)."""
-    name = gguf.get_tensor_name_map(ARCH, n_layers).get_name(hf_name, try_suffixes=(".weight", ".bias"))
+def gguf_name(hf_name: str, n_layers: int, arch: gguf.MODEL_ARCH = gguf.MODEL_ARCH.LLAMA) -> str:
+    """The GGUF name of a transformers tensor (``model.layers.3.self_attn.q_proj.weight`` ->
+    ``blk.3.attn_q.weight``) in llama.cpp's architecture ``arch``."""
+    name = gguf.get_tensor_name_map(arch, n_layers).get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if name is None:
-        raise ExportError(f"tensor {hf_name}: no GGUF name for it in the Llama architecture")
+        raise ExportError(f"tensor {hf_name}: no GGUF name for it in the {gguf.MODEL_ARCH_NAMES[arch]} architecture")
     return name
 
 
@@ -101,44 +103,15 @@ def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _heads(hf_name: str, config: PretrainedConfig) -> int | None:
-    """How many heads to permute ``hf_name``'s rows over, or ``None`` when it is not q or k."""
+def _heads(hf_name: str, config: PretrainedConfig, arch: GgufArch) -> int | None:
+    """How many heads to permute ``hf_name``'s rows over, or ``None`` when they stay as they are."""
+    if not arch.permute_qk:
+        return None
     if ".q_proj." in hf_name:
         return config.num_attention_heads
     if ".k_proj." in hf_name:
         return config.num_key_value_heads
     return None
-
-
-def check_llama(config: PretrainedConfig, what: str) -> None:
-    """Refuse what this writer would get wrong: another architecture, biases, RoPE scaling."""
-    problem = None
-    if config.model_type != "llama":
-        problem = f"architecture {config.model_type!r}"
-    elif getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        problem = "biases in attention or MLP"
-    elif getattr(config, "rope_scaling", None):
-        problem = f"RoPE scaling {config.rope_scaling}"
-    if problem:
-        raise ExportError(
-            f"{what}: `--format gguf` writes plain Llama models (SmolLM2, tiny), not one with {problem}; "
-            "export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py"
-        )
-
-
-def _hparams(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
-    """The ``llama.*`` keys ``convert_hf_to_gguf.py`` writes for a Llama."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
 
 
 def _metadata(writer: gguf.GGUFWriter, name: str, meta: dict[str, str | int]) -> None:
@@ -169,12 +142,13 @@ def write_model(
     name: str,
     meta: dict[str, str | int],
 ) -> dict[str, int]:
-    """A whole model GGUF from a transformers Llama state dict; returns the count of each tensor type."""
+    """A whole model GGUF from a transformers state dict; returns the count of each tensor type."""
     qtype, ftype = GGUF_TYPES[quantize]
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCH])
+    arch = gguf_arch(config, str(path))
+    writer = gguf.GGUFWriter(path, arch.name)
     writer.add_type(gguf.GGUFType.MODEL)
     _metadata(writer, name, meta)
-    _hparams(writer, config)
+    write_hparams(writer, config, arch)
     writer.add_file_type(ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab.add_to(writer)
@@ -183,15 +157,19 @@ def write_model(
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp reads a missing output.weight as tied to token_embd
         w = t.detach().float()
-        if (heads := _heads(hf_name, config)) is not None:
+        if (heads := _heads(hf_name, config, arch)) is not None:
             w = permute(w, heads)
-        out = gguf_name(hf_name, config.num_hidden_layers)
+        if hf_name.endswith("norm.weight"):
+            w = w + arch.norm_shift
+        out = gguf_name(hf_name, config.num_hidden_layers, arch.arch)
         want = qtype
         if out in ("token_embd.weight", "output.weight") and qtype == gguf.GGMLQuantizationType.Q4_0:
             want = EMBEDDING_FLOOR
         data, kind = _quantized(w.numpy(), want)
         writer.add_tensor(out, data, raw_dtype=kind)
         kinds[kind.name] = kinds.get(kind.name, 0) + 1
+    for out, t in extra_tensors(config).items():
+        writer.add_tensor(out, t.numpy())
     _finish(writer)
     return kinds
 
@@ -206,7 +184,8 @@ def write_adapter(
 ) -> None:
     """A llama.cpp LoRA adapter GGUF. ``lora``: base weight name (transformers, full-model layer
     numbering) -> (A, B) as PEFT holds them."""
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[ARCH])
+    arch = gguf_arch(config, str(path))
+    writer = gguf.GGUFWriter(path, arch.name)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
@@ -216,9 +195,9 @@ def write_adapter(
         writer.add_base_model_name(0, str(meta["base_gguf"]))
     for hf_name, (a, b) in lora.items():
         b = b.detach().float()
-        if (heads := _heads(hf_name, config)) is not None:
+        if (heads := _heads(hf_name, config, arch)) is not None:
             b = permute(b, heads)
-        out = gguf_name(hf_name, config.num_hidden_layers)
+        out = gguf_name(hf_name, config.num_hidden_layers, arch.arch)
         writer.add_tensor(f"{out}.lora_a", a.detach().float().contiguous().numpy())
         writer.add_tensor(f"{out}.lora_b", b.contiguous().numpy())
     _finish(writer)
@@ -234,15 +213,14 @@ def _finish(writer: gguf.GGUFWriter) -> None:
 def read_adapter(path: Path, config: PretrainedConfig) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """An adapter GGUF back in transformers' terms: alpha and, per base weight name, (A, B) unpermuted."""
     reader = gguf.GGUFReader(path)
+    arch = gguf_arch(config, str(path))
     alpha = float(reader.fields[gguf.Keys.Adapter.LORA_ALPHA].contents())
     names = {}
     for i in range(config.num_hidden_layers):
-        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"):
+        for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
             hf = f"model.layers.{i}.{module}.weight"
-            names[gguf_name(hf, config.num_hidden_layers)] = hf
-        for module in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            hf = f"model.layers.{i}.{module}.weight"
-            names[gguf_name(hf, config.num_hidden_layers)] = hf
+            names[gguf_name(hf, config.num_hidden_layers, arch.arch)] = hf
     tensors = {t.name: torch.from_numpy(np.array(t.data, dtype=np.float32)) for t in reader.tensors}
     out = {}
     for key in tensors:
@@ -251,7 +229,25 @@ def read_adapter(path: Path, config: PretrainedConfig) -> tuple[float, dict[str,
         base = key[: -len(".lora_a")]
         hf = names[base]
         b = tensors[f"{base}.lora_b"]
-        if (heads := _heads(hf, config)) is not None:
+        if (heads := _heads(hf, config, arch)) is not None:
             b = unpermute(b, heads)
         out[hf] = (tensors[key], b)
     return alpha, out
+
+
+def read_model(path: Path, config: PretrainedConfig, hf_names: list[str]) -> dict[str, torch.Tensor]:
+    """A model GGUF's weights dequantized, in transformers' names and conventions (the inverse of
+    :func:`write_model`): ``hf_names`` are the model's state-dict keys; llama.cpp's extras are skipped."""
+    arch = gguf_arch(config, str(path))
+    names = {gguf_name(k, config.num_hidden_layers, arch.arch): k for k in hf_names}
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name not in names:
+            continue  # rope_freqs: computed from the config on the transformers side
+        hf = names[t.name]
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if (heads := _heads(hf, config, arch)) is not None:
+            w = unpermute(w, heads)
+        out[hf] = w - arch.norm_shift if hf.endswith("norm.weight") else w
+    return out

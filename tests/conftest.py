@@ -29,6 +29,7 @@ FIRST = (
     "test_fleet_security.py",
     "test_cli_tables.py",
     "test_export.py",
+    "test_families.py",  # CPU-bound, but the longest file: started last, it would trail the rest
 )
 
 

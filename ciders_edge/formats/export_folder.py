@@ -142,13 +142,17 @@ class Export:
         if ONNX_FILE not in self.manifest["files"]:
             raise ExportError(f"{self.path}: the manifest lists no {ONNX_FILE}")
         try:
-            return ORTModelForCausalLM.from_pretrained(
+            model = ORTModelForCausalLM.from_pretrained(
                 self.path, file_name=ONNX_FILE, providers=providers or ["CPUExecutionProvider"]
             )
         except Exception as err:  # onnxruntime's own exception types (bad graph, provider failing to start)
             raise ExportError(
                 f"{self.path / ONNX_FILE}: onnxruntime failed with providers {providers}: {err}"
             ) from None
+        if getattr(model.config, "head_dim", None) and hasattr(model, "embed_size_per_head"):
+            # optimum 0.1 sizes the empty KV cache as hidden / heads except for Gemma: Qwen3's wider heads
+            model.embed_size_per_head = model.config.head_dim
+        return model
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

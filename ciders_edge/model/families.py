@@ -1,7 +1,8 @@
 """Model-family differences in one table (after PEFT's target-module mapping).
 
-Every supported family keeps its decoder blocks in ``model.model.layers`` and shares the
-Llama block signature, so the split and the messenger forward need nothing else per family.
+Every supported family keeps its decoder blocks in ``model.model.layers`` with the Llama block's
+projections (so LoRA targets the same names); what differs in the forward is said here: which layers
+attend within a sliding window, and whether sliding layers have a rotary base of their own (Gemma 3).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class Family:
 
     model_type: str
     lora_targets: tuple[str, ...] = _LLAMA_TARGETS
-    sliding_window_mask: bool = False  # uses transformers' sliding-window causal mask
+    sliding_window_mask: bool = False  # every layer uses the sliding-window mask when the config sets a window
+    local_rope: bool = False  # sliding layers take a second rotary embedding (``rotary_emb_local``)
 
 
 MODEL_FAMILIES: dict[str, Family] = {
@@ -35,6 +37,7 @@ MODEL_FAMILIES: dict[str, Family] = {
         Family("qwen2"),
         Family("qwen3"),
         Family("mistral", sliding_window_mask=True),
+        Family("gemma3_text", local_rope=True),  # sliding layers named by ``layer_types``
     )
 }
 
@@ -47,5 +50,10 @@ def family_of(config: PretrainedConfig) -> Family:
         raise ModelError(
             f"unsupported architecture {arch!r} (model_type {config.model_type!r}); "
             f"supported: {', '.join(sorted(MODEL_FAMILIES))}"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ModelError(
+            f"{config.model_type} with use_bidirectional_attention (an embedding model, e.g. EmbeddingGemma) "
+            "is not a causal LM; use a decoder-only checkpoint such as gemma-3-270m-it"
         )
     return family

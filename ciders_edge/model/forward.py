@@ -11,15 +11,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ciders_edge.model.families import family_of
 
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
+
 __all__ = [
     "Context",
     "make_context",
+    "attention_kinds",
     "decoder_of",
+    "embed",
     "backbone_hidden",
     "messenger_logits",
     "run_layers",
@@ -33,58 +38,106 @@ __all__ = [
 
 @dataclass
 class Context:
-    """Per-batch tensors every layer needs: mask, rotary embeddings, positions."""
+    """Per-batch tensors every layer needs: a mask per attention kind, rotary embeddings, positions.
 
-    attention_mask: Tensor | None  # the layers' (causal) mask
+    Layers find their mask by their own ``attention_type`` (Qwen2/3, Gemma 3), so a context made on
+    the full model serves the AdapEmu's layers too (the bootstrap feeds them the teacher's stream)."""
+
+    masks: dict[str, Tensor | None]  # by attention kind: "full_attention", "sliding_attention"
     position_ids: Tensor  # (1, T)
-    position_embeddings: tuple[Tensor, Tensor]
+    position_embeddings: tuple[Tensor, Tensor]  # the (global) rotary cos, sin
     cache_position: Tensor  # (T,)
+    local_embeddings: tuple[Tensor, Tensor] | None = None  # Gemma 3's sliding layers' own rotary base
+    default_kind: str = FULL  # the kind of a layer that names none (Llama: full; Mistral: sliding)
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     """The inner decoder (``model.model``) of a causal LM, PEFT-wrapped or not."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model
+    return _base(model).model
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def embed(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
+    """The input embeddings (B, T, H): the module's own forward, which applies a family's scale
+    (Gemma 3 multiplies by sqrt(hidden)); its weight may be held quantized, so it is never read here."""
+    return decoder_of(model).embed_tokens(input_ids)
 
 
 def make_context(model: torch.nn.Module, embeds: Tensor, attention_mask: Tensor) -> Context:
+    """The masks and rotary embeddings of a batch, built as the model's own forward builds them."""
     decoder = decoder_of(model)
     config = decoder.config
+    family = family_of(config)
     cache_position = torch.arange(embeds.shape[1], device=embeds.device)
     position_ids = cache_position.unsqueeze(0)
-    mask_fn = create_sliding_window_causal_mask if family_of(config).sliding_window_mask else create_causal_mask
-    mask = mask_fn(
-        config=config,
-        input_embeds=embeds,
-        attention_mask=attention_mask,
-        cache_position=cache_position,
-        past_key_values=None,
-        position_ids=position_ids,
-    )
-    return Context(mask, position_ids, decoder.rotary_emb(embeds, position_ids), cache_position)
+    kw = dict(config=config, input_embeds=embeds, attention_mask=attention_mask, cache_position=cache_position,
+              past_key_values=None, position_ids=position_ids)  # fmt: skip
+    kinds = attention_kinds(config)
+    masks = {FULL: create_causal_mask(**kw)}
+    if SLIDING in kinds:
+        masks[SLIDING] = create_sliding_window_causal_mask(**kw)
+    local = decoder.rotary_emb_local(embeds, position_ids) if family.local_rope else None
+    default = SLIDING if family.sliding_window_mask and SLIDING in kinds else FULL
+    return Context(masks, position_ids, decoder.rotary_emb(embeds, position_ids), cache_position, local, default)
 
 
-def run_layers(model: torch.nn.Module, hidden: Tensor, ctx: Context, start: int, stop: int) -> Tensor:
-    """Run decoder layers ``start..stop-1`` on ``hidden`` (B, T, H)."""
+def attention_kinds(config) -> set[str]:
+    """The attention kinds of ``config``'s layers: its ``layer_types``, or every layer sliding for a
+    Mistral with a window (its forward masks every layer so), or every layer full."""
+    if getattr(config, "layer_types", None) is not None:
+        return set(config.layer_types)
+    windowed = family_of(config).sliding_window_mask and getattr(config, "sliding_window", None) is not None
+    return {SLIDING if windowed else FULL}
+
+
+def run_layers(
+    model: torch.nn.Module, hidden: Tensor, ctx: Context, start: int, stop: int, checkpoint: bool = False
+) -> Tensor:
+    """Run decoder layers ``start..stop-1`` on ``hidden`` (B, T, H).
+
+    Args:
+        checkpoint: when grad is enabled, keep only each layer's input and recompute its activations in
+            backward (activation checkpointing: memory for one layer's activations instead of all);
+            the recomputation replays the RNG, so LoRA dropout draws the same mask.
+    """
+    recompute = checkpoint and torch.is_grad_enabled()
     for layer in decoder_of(model).layers[start:stop]:
-        hidden = layer(
-            hidden,
-            attention_mask=ctx.attention_mask,
-            position_ids=ctx.position_ids,
-            past_key_values=None,
-            cache_position=ctx.cache_position,
-            position_embeddings=ctx.position_embeddings,
-        )
-        if isinstance(hidden, tuple):  # older transformers return (hidden,)
-            hidden = hidden[0]
+        if recompute:
+            hidden = torch.utils.checkpoint.checkpoint(_run_layer, layer, hidden, ctx, use_reentrant=False)
+        else:
+            hidden = _run_layer(layer, hidden, ctx)
     return hidden
+
+
+def _run_layer(layer: torch.nn.Module, hidden: Tensor, ctx: Context) -> Tensor:
+    """One decoder layer with the mask of its attention kind and its family's rotary arguments."""
+    kind = getattr(layer, "attention_type", ctx.default_kind)
+    if ctx.local_embeddings is None:
+        rotary = {"position_embeddings": ctx.position_embeddings}
+    else:  # Gemma 3: each layer picks the global or the local rotary embedding itself
+        rotary = {
+            "position_embeddings_global": ctx.position_embeddings,
+            "position_embeddings_local": ctx.local_embeddings,
+        }
+    out = layer(
+        hidden,
+        attention_mask=ctx.masks[kind],
+        position_ids=ctx.position_ids,
+        past_key_values=None,
+        cache_position=ctx.cache_position,
+        **rotary,
+    )
+    return out[0] if isinstance(out, tuple) else out  # Gemma 3 (and older transformers) return (hidden,)
 
 
 def backbone_hidden(
     model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, n_layers: int
 ) -> tuple[Tensor, Context]:
     """Embeddings + the first ``n_layers`` layers: the hidden state entering the messenger (B, T, H)."""
-    embeds = decoder_of(model).embed_tokens(input_ids)
+    embeds = embed(model, input_ids)
     ctx = make_context(model, embeds, attention_mask)
     return run_layers(model, embeds, ctx, 0, n_layers), ctx
 
@@ -94,7 +147,7 @@ def layer_outputs(
 ) -> tuple[list[Tensor], Context]:
     """The residual stream after each of the first ``n_layers`` layers: ``out[i]`` follows ``i`` layers
     (``out[0]`` is the embedding), for fitting one layer at a time against a teacher."""
-    hidden = decoder_of(model).embed_tokens(input_ids)
+    hidden = embed(model, input_ids)
     ctx = make_context(model, hidden, attention_mask)
     out = [hidden]
     for i in range(n_layers):
@@ -103,22 +156,29 @@ def layer_outputs(
 
 
 def messenger_logits(
-    model: torch.nn.Module, hidden: Tensor, ctx: Context, start: int, positions: tuple[Tensor, Tensor] | None = None
+    model: torch.nn.Module,
+    hidden: Tensor,
+    ctx: Context,
+    start: int,
+    positions: tuple[Tensor, Tensor] | None = None,
+    checkpoint: bool = False,
 ) -> Tensor:
-    """Messenger layers from ``start``, final norm and LM head.
+    """Messenger layers from ``start``, final norm and LM head (and a family's logit soft-cap).
 
     Args:
         positions: ``(batch_idx, time_idx)`` to compute logits at; ``None`` for every position.
+        checkpoint: recompute each layer's activations in backward (:func:`run_layers`).
 
     Returns:
         Logits ``(N, V)`` at ``positions``, or ``(B, T, V)``.
     """
     decoder = decoder_of(model)
-    hidden = run_layers(model, hidden, ctx, start, len(decoder.layers))
+    hidden = run_layers(model, hidden, ctx, start, len(decoder.layers), checkpoint)
     if positions is not None:
         hidden = hidden[positions]  # (N, H)
-    head = (model.get_base_model() if hasattr(model, "get_base_model") else model).lm_head
-    return head(decoder.norm(hidden))
+    logits = _base(model).lm_head(decoder.norm(hidden))
+    cap = getattr(decoder.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def response_positions(labels: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
@@ -151,8 +211,10 @@ def run_backbone(model: torch.nn.Module, batch: dict[str, Tensor], start: int) -
     return BackboneBatch(hidden, ctx, positions, targets)
 
 
-def messenger_loss(model: torch.nn.Module, bb: BackboneBatch, start: int, reduction: str = "mean") -> Tensor:
+def messenger_loss(
+    model: torch.nn.Module, bb: BackboneBatch, start: int, reduction: str = "mean", checkpoint: bool = False
+) -> Tensor:
     """Response-token cross-entropy of the messenger now loaded, from a backbone batch made with the
-    same ``start`` (eq. 4's L_i)."""
-    logits = messenger_logits(model, bb.hidden, bb.ctx, start, bb.positions)
+    same ``start`` (eq. 4's L_i); ``checkpoint``: see :func:`run_layers`."""
+    logits = messenger_logits(model, bb.hidden, bb.ctx, start, bb.positions, checkpoint)
     return F.cross_entropy(logits.float(), bb.targets, reduction=reduction)
