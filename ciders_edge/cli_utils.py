@@ -44,6 +44,14 @@ BackboneOpt = Annotated[
     str | None,
     typer.Option(help="full (AdapFu: the messenger on the full backbone) or emu (the AdapEmu); default: the bundle's."),
 ]
+FrozenOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="int8/int4 frozen weights in memory: quantized (as the bundle ships them, dequantized per matmul) "
+        "or dequantized (float from load); default: the profile's.",
+        show_default=False,
+    ),
+]
 BaseModelOpt = Annotated[
     str | None,
     typer.Option(help="With --backbone full: a local copy of the base model (checked against the bundle's hash)."),

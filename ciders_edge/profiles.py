@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from rich.markup import escape
@@ -21,23 +20,23 @@ from ciders_edge.errors import ConfigError
 from ciders_edge.formats.storage import STORAGES
 from ciders_edge.progress import console
 
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
 __all__ = [
     "DeviceProfile",
-    "MemoryEstimate",
     "list_profiles",
     "load_profile",
     "detect_profile",
-    "estimate_memory",
     "pick_device",
+    "profile_for",
+    "keeps_quantized",
+    "check_frozen_weights",
     "BACKBONES",
+    "FROZEN_WEIGHTS",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TARGETS = ("cpu", "cuda", "jetson")
 BACKBONES = ("full", "emu")  # AdapFu: the messenger on the full backbone; AdapEmu: on the learnable one
+FROZEN_WEIGHTS = ("quantized", "dequantized")  # int8/int4 frozen weights in memory: as stored, or float from load
 GIB = 1024**3
 
 
@@ -52,13 +51,18 @@ class DeviceProfile(ConfigMixin):
         "runtime": ("torch", "onnx"),
         "backbone": BACKBONES,
         "quantization": ("none", "int8"),
+        "frozen_weights": FROZEN_WEIGHTS,
     }
 
     name: str = "custom"
     description: str = ""
     target: str = "cpu"  # cpu | cuda | jetson
     dtype: str = "float32"  # compute dtype of the frozen parts; LoRA always trains in float32
-    storage: str = "int8"  # how a bundle ships the frozen weights: fp32 | bf16 | int8 | int4 (dequantized at load)
+    storage: str = "int8"  # how a bundle ships the frozen weights: fp32 | bf16 | int8 | int4
+    # int8/int4 frozen weights while training and running: quantized (kept as stored, dequantized block by
+    # block inside each matmul) | dequantized (into `dtype` once, at load: 4 or 2 bytes a weight, a little faster)
+    frozen_weights: str = "quantized"
+    gradient_checkpointing: bool = False  # keep only each trained messenger layer's input; recompute in backward
     memory_budget_gb: float = 8.0  # memory the toolkit may use on the device
     messenger_depth: int = 6
     drop_ratio: float = 0.2
@@ -85,6 +89,25 @@ class DeviceProfile(ConfigMixin):
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def profile_for(profile: str | None, bundle_profile: dict) -> DeviceProfile:
+    """The profile a command runs with: the one named (``auto``, a name or a path), else the one the
+    bundle was made for (its manifest's copy; keys it predates take their defaults)."""
+    return load_profile(profile) if profile else DeviceProfile.from_dict(bundle_profile, where="the bundle's profile")
+
+
+def keeps_quantized(flag: str | None, profile: DeviceProfile | None, bundle_profile: dict) -> bool:
+    """Whether int8/int4 frozen weights stay quantized in memory: ``--frozen-weights``, else the profile
+    named, else the bundle's."""
+    check_frozen_weights(flag)
+    return (flag or (profile or profile_for(None, bundle_profile)).frozen_weights) == "quantized"
+
+
+def check_frozen_weights(flag: str | None) -> None:
+    """Refuse a ``--frozen-weights`` that is not one of :data:`FROZEN_WEIGHTS`."""
+    if flag not in (None, *FROZEN_WEIGHTS):
+        raise ConfigError(f"--frozen-weights must be one of {', '.join(FROZEN_WEIGHTS)}, got {flag!r}")
 
 
 def _shipped() -> dict[str, Path]:
@@ -151,51 +174,3 @@ _NOTED_CPU: set[str] = set()  # GPU profiles already noted as running on the CPU
 
 def _system_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-
-
-@dataclass
-class MemoryEstimate:
-    """Bytes needed to train the messenger on a device, by part (an upper-end estimate)."""
-
-    weights: int
-    lora: int  # LoRA tensors, their gradients and AdamW's two moments (float32)
-    activations: int  # messenger activations kept for backward, plus response logits
-    budget: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.lora + self.activations
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.budget
-
-    def describe(self) -> str:
-        gb = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-        return (
-            f"needs {gb(self.total)} (weights {gb(self.weights)}, LoRA+optimizer {gb(self.lora)}, "
-            f"activations {gb(self.activations)}) of a {gb(self.budget)} budget"
-        )
-
-
-def estimate_memory(
-    config: PretrainedConfig, n_emu_layers: int, messenger_depth: int, profile: DeviceProfile
-) -> MemoryEstimate:
-    """Estimate training memory of an AdapEmu from its config alone (no weights loaded)."""
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", heads) or heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    attn = h * head_dim * (2 * heads + 2 * kv)
-    per_layer = attn + 3 * h * i + 2 * h
-    embed = v * h * (1 if config.tie_word_embeddings else 2)
-    itemsize = torch.finfo(profile.torch_dtype).bits // 8
-    weights = (per_layer * n_emu_layers + embed + h) * itemsize
-    r = profile.lora_rank
-    lora_per_layer = r * ((h + heads * head_dim) * 2 + (h + kv * head_dim) * 2 + 2 * (h + i) + (i + h))
-    lora = lora_per_layer * messenger_depth * 4 * 4  # value, grad, two AdamW moments
-    tokens = profile.batch_size * profile.seq_len
-    per_token_layer = 10 * h + 4 * i  # kept tensors of one decoder block for backward
-    attn_scores = profile.batch_size * heads * profile.seq_len**2
-    acts = messenger_depth * (tokens * per_token_layer + attn_scores) * 4 + 2 * tokens * v * 4
-    return MemoryEstimate(weights, lora, acts, int(profile.memory_budget_gb * GIB))

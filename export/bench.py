@@ -295,7 +295,8 @@ def _measure_train_step(bundle, prof: DeviceProfile, steps: int) -> dict:
     quiet_libraries()
     b = Bundle.load(bundle)
     hp = round_hyperparams(b, prof, {"local_steps": steps + 1})
-    edge = load_edge_model(b, prof.torch_dtype)
+    edge = load_edge_model(b, prof.torch_dtype, quantized=prof.frozen_weights == "quantized")
+    edge.checkpoint = prof.gradient_checkpointing
     edge.model.to(pick_device(prof))
     rng = random.Random(0)
     vocab, half = edge.model.config.vocab_size, hp.seq_len // 2

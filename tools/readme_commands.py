@@ -76,7 +76,7 @@ def _argument_help(command: click.Command, name: str) -> str:
 def _default(p: click.Parameter) -> str:
     if p.required:
         return "required"
-    if isinstance(p, click.Option) and p.is_flag:
+    if isinstance(p, click.Option) and p.is_flag and p.default is not None:  # None: decided elsewhere (a profile)
         return "on" if p.default else "off"
     if p.default is None or p.default == ():
         return "—"

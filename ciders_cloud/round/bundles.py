@@ -19,9 +19,10 @@ from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for, round_takd
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle, BundleContents
+from ciders_edge.memory import estimate_memory
 from ciders_edge.model.lora import peft_config
 from ciders_edge.model.split import SplitSpec
-from ciders_edge.profiles import DeviceProfile, estimate_memory
+from ciders_edge.profiles import DeviceProfile
 from ciders_edge.progress import console
 
 __all__ = ["write_bundles", "bundle_contents", "bundle_takd_loss", "deployments", "TAKD_LOSS_KEYS"]
@@ -123,7 +124,7 @@ def deployments(run: RunConfig, profiles: list[DeviceProfile]) -> dict[str, str]
     out = {}
     for p in profiles:
         split = profile_spec(run, p.name)
-        est = estimate_memory(config, split.emu_layers, split.trained, p)
+        est = estimate_memory(config, split.emu_layers, split.trained, p, run.storage)
         if not est.fits:
             raise ConfigError(f"model {run.model} does not fit profile {p.name}: {est.describe()}")
         out[p.name] = _deployment(run, p, split, config)

@@ -11,6 +11,7 @@ from ciders_edge.config import ConfigMixin, check_limit
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.packet import CODECS
 from ciders_edge.hyperparams import RoundHyperparams
+from ciders_edge.profiles import FROZEN_WEIGHTS
 
 __all__ = ["SimConfig", "parse_profile_mix"]
 
@@ -43,6 +44,7 @@ class SimConfig(ConfigMixin):
         "gamma_schedule": GAMMA_SCHEDULES,
         "codec": CODECS,
         "sampling": SAMPLINGS,
+        "frozen_weights": ("", *FROZEN_WEIGHTS),
     }
     TABLES = {
         "hyperparameters": RoundHyperparams,
@@ -76,6 +78,9 @@ class SimConfig(ConfigMixin):
     layer_steps: int | None = None  # prepare's bootstrap (None: the defaults of `prepare`)
     align_steps: int | None = None
     codec: str = "fp32"
+    # how simulated edges hold int8/int4 frozen weights: empty, as their profiles say (as a fleet's devices
+    # do, so the two agree to the bit); `dequantized` is a little faster on one machine (the same to 1e-7)
+    frozen_weights: str = ""
     gamma_schedule: str = "constant"
     hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
     takd: dict = field(default_factory=dict)  # TakdConfig overrides

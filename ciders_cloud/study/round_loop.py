@@ -62,7 +62,9 @@ def run_rounds(
     for t in range(start, cfg.rounds):
         started = time.perf_counter()
         participants = sample_clients(ids, cfg.participation, cfg.sampling, rng, private=bool(cfg.dp))
-        probed = _probe(study, t, participants, profiles, device) if strategy.needs_probe else {}
+        probed = (
+            _probe(study, t, participants, profiles, device, cfg.frozen_weights or None) if strategy.needs_probe else {}
+        )
         packets, outputs = [], {}
         for cid in participants:
             console.print(f"[bold]round {t}[/] {cid} ({strategy.name}{profiles.label(cid)})")
@@ -74,7 +76,11 @@ def run_rounds(
                 study.client_state(cid),
                 packet,
                 RoundOptions(
-                    profile=profiles.profile_of[cid], codec=cfg.codec, client_id=cid, hypergradient=probed.get("h")
+                    profile=profiles.profile_of[cid],
+                    codec=cfg.codec,
+                    client_id=cid,
+                    hypergradient=probed.get("h"),
+                    frozen_weights=cfg.frozen_weights or None,
                 ),
             )
             packets.append(packet)
@@ -114,14 +120,22 @@ def _fetched(study: StudyFolder, profile: str, round_: int) -> int:
     return bundle.delta_bytes(Bundle.load(study.run.bundle(profile, round_ - 1)) if round_ else None)
 
 
-def _probe(study: StudyFolder, t: int, ids: list[str], profiles: StudyProfiles, device: torch.device) -> dict:
+def _probe(
+    study: StudyFolder,
+    t: int,
+    ids: list[str],
+    profiles: StudyProfiles,
+    device: torch.device,
+    frozen_weights: str | None,
+) -> dict:
     """FedNest's first exchange: every client's gradient packet, then the cloud's hypergradient h."""
     paths = []
     for cid in ids:
         console.print(f"[bold]round {t}[/] {cid} probe")
         path, profile = study.probe_packet(t, cid), profiles.profile_of[cid]
         bundle = study.run.bundle(profile, t)
-        probe(bundle, study.train_data(cid), study.client_state(cid), path, client_id=cid, profile=profile)
+        data, state = study.train_data(cid), study.client_state(cid)
+        probe(bundle, data, state, path, client_id=cid, profile=profile, frozen_weights=frozen_weights)
         paths.append(path)
     summary = aggregate_probes(study.run.root, [(str(p), p.read_bytes()) for p in paths], device)
     return {**summary, "h": load_file(summary["path"])}

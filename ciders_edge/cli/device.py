@@ -17,29 +17,61 @@ __all__ = ["profiles", "verify"]
 
 def profiles(
     name: Annotated[str | None, typer.Argument(help="Show one profile (a name, `auto`, or a .toml path).")] = None,
-    detect: Annotated[bool, typer.Option(help="Show the profile `auto` picks on this device.")] = False,
+    detect: Annotated[
+        bool,
+        typer.Option(help="Show the profile `auto` picks on this device and the largest models it trains and runs."),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """List the device profiles, show one, or detect this device's."""
 
     def body() -> dict:
         if detect:
-            return {"detected": detect_profile().to_dict()}
+            return {"detected": detect_profile().to_dict(), **_fits(detect_profile())}
         if name is not None:
-            return {"profile": load_profile(name).to_dict()}
-        return {"profiles": [p.to_dict() for p in list_profiles()]}
+            return {"profile": load_profile(name).to_dict(), **_fits(load_profile(name))}
+        return {"profiles": [{**p.to_dict(), "trains_up_to": _fits(p)["largest_train"]} for p in list_profiles()]}
 
     run_command(body, as_json, _render_profiles)
 
 
+def _fits(profile) -> dict:
+    """The model classes against ``profile`` (memory model: ``ciders_edge/memory.py``), and the largest of
+    them it trains and runs (``None``: not even the smallest)."""
+    from ciders_edge.memory import class_fits
+
+    fits = class_fits(profile)
+    largest = lambda ok: next((f.name for f in reversed(fits) if ok(f)), None)  # noqa: E731
+    return {
+        "classes": [f.to_dict() for f in fits],
+        "largest_train": largest(lambda f: f.train.fits),
+        "largest_run": largest(lambda f: f.run.fits),
+    }
+
+
 def _render_profiles(s: dict) -> None:
     if "profiles" in s:
-        header = ("name", "target", "dtype/store", "mem", "depth", "drop", "rank", "seq×batch", "runtime")
+        header = ("name", "target", "dtype/store", "mem", "depth", "drop", "seq×batch", "runtime", "trains")
         print_table(key_table(header, [_profile_row(p) for p in s["profiles"]]))
         return
     p = s.get("profile") or s["detected"]
     title = p["name"] + (" (detected)" if "detected" in s else "")
     print_table(key_table(("key", "value"), [(k, str(v)) for k, v in p.items()], show_header=False, title=title))
+    rows = [
+        (c["name"], f"{c['parameters'] / 1e6:,.0f}M", f"{c['train_gib']:.2f}", _yes(c["trains"]), f"{c['run_gib']:.2f}",
+         _yes(c["runs"]))
+        for c in s["classes"]
+    ]  # fmt: skip
+    print_table(key_table(("model class", "params", "train GiB", "trains", "run GiB", "runs"), rows))
+    console.print(
+        f"largest model class to train: {s['largest_train'] or 'none'}; to run: {s['largest_run'] or 'none'} "
+        f"(within {p['memory_budget_gb']:g} GB; estimates, ciders_edge/memory.py)",
+        highlight=False,
+    )
+
+
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "no"
 
 
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -56,6 +88,7 @@ def _profile_row(p: dict) -> tuple[str, ...]:
         str(p["lora_rank"]),
         f"{p['seq_len']}×{p['batch_size']}",
         f"{p['runtime']}/{p['quantization']}",
+        p["trains_up_to"] or "-",
     )
 
 

@@ -10,12 +10,12 @@ from typing import Annotated
 
 import typer
 
-from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, key_table, print_table, run_command
+from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, FrozenOpt, JsonOpt, key_table, print_table, run_command
 from ciders_edge.config import check_limit
 from ciders_edge.data.records import read_jsonl
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.profiles import load_profile
+from ciders_edge.profiles import keeps_quantized, load_profile
 from ciders_edge.progress import LazyBar, console, status
 
 __all__ = ["infer", "evaluate"]
@@ -39,6 +39,7 @@ def infer(
     profile: Annotated[str | None, typer.Option(help="Device profile: dtype, device, ONNX providers.")] = None,
     backbone: BackboneOpt = None,
     base_model: BaseModelOpt = None,
+    frozen_weights: FrozenOpt = None,
     stream: Annotated[bool, typer.Option(help="Print the answer as it is generated.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
@@ -80,6 +81,7 @@ def infer(
                 profile=prof,
                 backbone=backbone,
                 base_model=base_model,
+                frozen_weights=frozen_weights,
             )
         summary = {"runtime": rt.name, "providers": rt.providers, "source": rt.source}
         if chosen is not export:
@@ -168,6 +170,7 @@ def evaluate(
     limit: Annotated[int | None, typer.Option(help="Score only the first N records of each file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Most tokens per generated answer.")] = 64,
     profile: Annotated[str | None, typer.Option(help="Device profile: dtype and device.")] = None,
+    frozen_weights: FrozenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Score messengers on your data: response NLL, exact match (records with `answer`), ROUGE-L (with `response`)."""
@@ -197,6 +200,7 @@ def evaluate(
             raise ConfigError("pass --state (the personalized messenger), or --global / --base")
         edges = list(zip(states, data, strict=True)) if states else [(None, d) for d in data]
         prof = load_profile(profile) if profile else None
+        quantized = keeps_quantized(frozen_weights, prof, b.manifest["profile"])
         with LazyBar("scoring") as bar:
             rows = evaluate_models(
                 b,
@@ -207,6 +211,7 @@ def evaluate(
                 limit=limit,
                 max_new_tokens=max_new_tokens,
                 on_progress=lambda label, i, n: bar.update(n, f"{label} {i}/{n}", completed=i),
+                quantized=quantized,
             )
             rows += evaluate_exports(
                 b,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ciders_edge.cli_utils import JsonOpt, run_command
+from ciders_edge.cli_utils import FrozenOpt, JsonOpt, run_command
 from ciders_edge.formats.packet import read_key_file
 from ciders_edge.progress import LazyBar, console
 
@@ -34,6 +34,15 @@ def train(
     batch_size: Annotated[int | None, typer.Option(help="Mini-batch size.")] = None,
     grad_accum: Annotated[int | None, typer.Option(help="Micro-batches per step.")] = None,
     client_id: Annotated[str | None, typer.Option(help="This edge's id (first round only; default: hostname).")] = None,
+    frozen_weights: FrozenOpt = None,
+    gradient_checkpointing: Annotated[
+        bool | None,
+        typer.Option(
+            "--gradient-checkpointing/--no-gradient-checkpointing",
+            help="Recompute the trained messenger layers' activations in backward (default: the profile's).",
+            show_default=False,
+        ),
+    ] = None,
     key_file: KeyFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -60,7 +69,16 @@ def train(
                 extra = f"  r_fd {m['r_fd']:.2e}" if "r_fd" in m else ""
                 bar.update(m["steps"], f"loss {m['loss']:.3f}  |g| {m['grad_norm']:.3f}{extra}")
 
-            options = RoundOptions(client_id, profile, codec, key, overrides=overrides, on_step=on_step)
+            options = RoundOptions(
+                client_id,
+                profile,
+                codec,
+                key,
+                overrides=overrides,
+                on_step=on_step,
+                frozen_weights=frozen_weights,
+                gradient_checkpointing=gradient_checkpointing,
+            )
             return train(bundle, data, state, out, options).summary
 
     def render(s: dict) -> None:

@@ -38,7 +38,7 @@ from ciders_edge.formats.manifest import (
     read_manifest,
     validate_manifest,
 )
-from ciders_edge.formats.storage import GROUP, decode, encode
+from ciders_edge.formats.storage import FORMATS, GROUP, decode, encode
 from ciders_edge.formats.weights_check import check_weights
 from ciders_edge.profiles import DTYPES
 
@@ -168,17 +168,25 @@ class Bundle:
         files = {**self.manifest["files"], MANIFEST: ""}
         return sum((self.path / rel).stat().st_size for rel, digest in files.items() if old.get(rel) != digest)
 
-    def tensors(self, rel: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def tensors(self, rel: str, dtype: torch.dtype | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
         """A weight file's tensors; frozen weights stored in 8 or 4 bits come back dequantized into
-        ``dtype`` (default: the bundle's compute dtype), the rest as stored."""
+        ``dtype`` (default: the bundle's compute dtype), or with ``keep`` as stored (``storage.Quantized``);
+        the rest as stored."""
         formats = self.manifest.get("storage", {}).get("tensors", {}).get(rel)
         if formats is None:  # LoRA, consensus, or a format-1 bundle's weights
             return load_file(self.path / rel)
+        dtype = dtype or DTYPES[self.manifest["dtype"]]
         with safe_open(self.path / rel, framework="pt") as f:
-            return decode(_LazyFile(f), formats, dtype or DTYPES[self.manifest["dtype"]], f"{self.path / rel}")
+            return decode(_LazyFile(f), formats, dtype, f"{self.path / rel}", keep)
 
-    def base_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        return {**self.tensors(BACKBONE_FILE, dtype), **self.tensors(MESSENGER_LAYERS_FILE, dtype)}
+    def base_weights(self, dtype: torch.dtype | None = None, keep: bool = False) -> dict[str, torch.Tensor]:
+        return {**self.tensors(BACKBONE_FILE, dtype, keep), **self.tensors(MESSENGER_LAYERS_FILE, dtype, keep)}
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any frozen weight ships in 8 or 4 bits (and so can stay so in memory)."""
+        formats = self.manifest.get("storage", {}).get("tensors", {})
+        return any(FORMATS.get(fmt) for tensors in formats.values() for fmt in tensors.values())
 
     def messenger_lora(self) -> dict[str, torch.Tensor]:
         return self.tensors(f"{ADAPTER_DIR}/{PEFT_WEIGHTS}")

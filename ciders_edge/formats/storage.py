@@ -1,9 +1,9 @@
 """How a bundle stores frozen weights: ``fp32``, ``bf16``, ``int8`` or ``int4``, apart from how the edge computes.
 
 An AdapEmu exists to be small, so its frozen weights (learnable backbone, messenger layers, the full
-backbone for AdapFu) may ship in 8 or 4 bits; the edge dequantizes them once, at load, into its profile's
-compute dtype, and training and inference never see a quantized tensor. LoRA, consensus and Δc packets
-keep their own formats.
+backbone for AdapFu) may ship in 8 or 4 bits; the edge keeps them so in memory and dequantizes per matmul
+(:mod:`ciders_edge.model.quantized`), or dequantizes them once, at load, into its profile's compute dtype
+(``decode(..., keep=False)``). LoRA, consensus and Δc packets keep their own formats.
 
 Quantization is weight-only, symmetric and blockwise along the input axis (``GROUP`` weights share one
 fp16 scale; the embedding table in ``int8`` has one scale per row), through torch's own groupwise ops
@@ -19,6 +19,7 @@ scales under ``name + SCALE_SUFFIX``; the manifest records each tensor's format 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -27,7 +28,18 @@ from torch import Tensor
 
 from ciders_edge.errors import BundleError
 
-__all__ = ["STORAGES", "FORMATS", "GROUP", "SCALE_SUFFIX", "encode", "decode", "bytes_per_param"]
+__all__ = [
+    "STORAGES",
+    "FORMATS",
+    "GROUP",
+    "SCALE_SUFFIX",
+    "Quantized",
+    "encode",
+    "decode",
+    "dequantize",
+    "dequantize_into",
+    "bytes_per_param",
+]
 
 STORAGES = ("fp32", "bf16", "int8", "int4")  # what a profile or `prepare --storage` may name
 GROUP = 32  # weights per scale
@@ -64,6 +76,20 @@ def encode(tensors: dict[str, Tensor], storage: str) -> tuple[dict[str, Tensor],
     return stored, formats
 
 
+@dataclass
+class Quantized:
+    """One weight as a bundle stores it: integers (int4: two per byte), fp16 scales, and its format."""
+
+    q: Tensor
+    scale: Tensor
+    fmt: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's (rows, columns)."""
+        return self.q.shape[0], self.q.shape[1] * (2 if FORMATS[self.fmt] == 4 else 1)
+
+
 class Stored(Protocol):
     """What :func:`decode` reads: a dict, or a safetensors file opened lazily (one tensor at a time)."""
 
@@ -72,9 +98,12 @@ class Stored(Protocol):
     def pop(self, name: str) -> Tensor: ...
 
 
-def decode(stored: Stored, formats: dict[str, str], dtype: torch.dtype, where: str) -> dict[str, Tensor]:
+def decode(
+    stored: Stored, formats: dict[str, str], dtype: torch.dtype, where: str, keep: bool = False
+) -> dict[str, Tensor | Quantized]:
     """The weights in compute ``dtype``; ``formats`` is the manifest's record for this file. Consumes
     ``stored`` one tensor at a time, so the stored integers never sit beside all of the float weights.
+    With ``keep``, 8- and 4-bit weights come back as they are stored (:class:`Quantized`), checked.
 
     Raises:
         BundleError: a tensor the record names is missing, one is not in the record, or integers and
@@ -91,7 +120,7 @@ def decode(stored: Stored, formats: dict[str, str], dtype: torch.dtype, where: s
             continue
         q, scale = stored.pop(name), stored.pop(name + SCALE_SUFFIX)
         _check_pair(q, scale, fmt, f"{where}: tensor {name}")
-        out[name] = _dequantize(q, scale, fmt, dtype)
+        out[name] = Quantized(q, scale, fmt) if keep else dequantize(q, scale, fmt, dtype)
     extra = next(iter(stored), None)
     if extra is not None:
         raise BundleError(f"{where}: tensor {extra} is not in the manifest's storage record")
@@ -137,17 +166,31 @@ def _quantize(w: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     return q, scale.reshape(w.shape[0], -1)
 
 
-def _dequantize(q: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
-    """Row blocks at a time, so the op's float temporaries stay small next to the result (the
-    embedding alone is 113 MB in fp32 for SmolLM2)."""
-    qmax, rows = _qmax(fmt), q.shape[0]
-    out = torch.empty(rows, q.shape[1] * (2 if FORMATS[fmt] == 4 else 1), dtype=dtype)
+def dequantize(q: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
+    """The float rows of stored integers ``q`` (R, C) and scales: ``q * scale`` in fp32, then ``dtype``
+    (what ``quantized_decomposed.dequantize_per_channel_group`` computes, in fewer passes). Row blocks
+    at a time, so the float temporaries stay small next to the result (the embedding alone is 113 MB in
+    fp32 for SmolLM2); on ``q``'s device."""
+    rows, cols = q.shape[0], q.shape[1] * (2 if FORMATS[fmt] == 4 else 1)
+    out = torch.empty(rows, cols, dtype=dtype, device=q.device)
+    work = out if dtype == torch.float32 else None
     for i in range(0, rows, _ROWS):
-        block = _unpack_int4(q[i : i + _ROWS]) if FORMATS[fmt] == 4 else q[i : i + _ROWS]
-        s = scale[i : i + _ROWS].float()
-        out[i : i + _ROWS] = _OPS.dequantize_per_channel_group(
-            block, s, None, -qmax, qmax, torch.int8, _group(fmt, block), dtype
-        )
+        r = min(_ROWS, rows - i)
+        block = work[i : i + r] if work is not None else torch.empty(r, cols, device=q.device)
+        dequantize_into(block, q[i : i + r], scale[i : i + r], fmt)
+        if work is None:
+            out[i : i + r] = block
+    return out
+
+
+def dequantize_into(out: Tensor, q: Tensor, scale: Tensor, fmt: str) -> Tensor:
+    """Write ``q * scale`` into the fp32 rows ``out`` (R, C) in place, allocating nothing of ``out``'s size
+    (int8 rows; int4 unpacks first): an edge that dequantizes per matmul reuses one buffer, and a fresh
+    buffer's page faults cost more than the arithmetic on a small device."""
+    r, cols = out.shape
+    group = cols if fmt.endswith("-row") else GROUP
+    out.copy_(_unpack_int4(q) if FORMATS[fmt] == 4 else q)
+    out.view(r, cols // group, group).mul_(scale.float().unsqueeze(-1))
     return out
 
 

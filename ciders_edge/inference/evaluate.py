@@ -238,17 +238,18 @@ def evaluate_models(
     limit: int | None = None,
     max_new_tokens: int = 64,
     on_progress=None,
+    quantized: bool = False,
 ) -> list[dict]:
     """Score every ``(backbone, messenger)`` model on every ``(state, data)`` edge.
 
-    Each backbone is loaded once; messengers (base, the bundle's global one, each state's x_K) are
-    swapped into it. Returns one row per model and edge.
+    Each backbone is loaded once (``quantized``: int8/int4 frozen weights kept so); messengers (base,
+    the bundle's global one, each state's x_K) are swapped into it. Returns one row per model and edge.
     """
     from ciders_edge.inference.personalize import load_backbone, personal_messenger
 
     rows = []
     for backbone in dict.fromkeys(b for b, _ in models):
-        edge = load_backbone(bundle, backbone, dtype, base_model)
+        edge = load_backbone(bundle, backbone, dtype, base_model, quantized)
         for state, data in edges:
             records = read_eval_records(data, edge.tokenizer, limit=limit)
             for messenger in [m for b, m in models if b == backbone]:

@@ -19,6 +19,7 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.model.adapemu import EdgeModel, load_edge_model
 from ciders_edge.model.adapfu import load_adapfu
+from ciders_edge.model.quantized import is_quantized
 from ciders_edge.profiles import BACKBONES
 from ciders_edge.tensors import Tensors
 
@@ -99,12 +100,17 @@ def personal_messenger(
 
 
 def load_backbone(
-    bundle: Bundle, backbone: str, dtype: torch.dtype | None = None, base_model: str | Path | None = None
+    bundle: Bundle,
+    backbone: str,
+    dtype: torch.dtype | None = None,
+    base_model: str | Path | None = None,
+    quantized: bool = False,
 ) -> EdgeModel:
-    """The bundle's AdapEmu, or AdapFu (full backbone from the bundle or ``base_model``)."""
+    """The bundle's AdapEmu, or AdapFu (full backbone from the bundle or ``base_model``); ``quantized``:
+    int8/int4 frozen weights stay so in memory."""
     if backbone == "full":
-        return load_adapfu(bundle, dtype, base_model)
-    return load_edge_model(bundle, dtype)
+        return load_adapfu(bundle, dtype, base_model, quantized)
+    return load_edge_model(bundle, dtype, quantized=quantized)
 
 
 def load_personalized(
@@ -115,20 +121,24 @@ def load_personalized(
     backbone: str = "emu",
     base_model: str | Path | None = None,
     messenger: str | None = None,
+    quantized: bool = False,
 ) -> tuple[EdgeModel, Source]:
     """A backbone running the personalized (or global, or base) messenger, LoRA still live."""
     messenger = messenger or ("global" if use_global else "personalized")
     x, source = personal_messenger(bundle, state_dir, messenger, backbone)
-    edge = load_backbone(bundle, backbone, dtype, base_model)
+    edge = load_backbone(bundle, backbone, dtype, base_model, quantized)
     edge.use_messenger(x)
     return edge, source
 
 
 def merge_messenger(edge: EdgeModel) -> PreTrainedModel:
     """Fold the messenger LoRA into dense weights: a plain transformers model, no PEFT at run time.
+    Weights held quantized cannot absorb it (that would requantize them): their LoRA stays live.
 
     Consumes ``edge.model`` (PEFT merges in place).
     """
+    if is_quantized(edge.model):
+        return edge.model.eval()
     model = edge.model.merge_and_unload()
     model.eval()
     return model

@@ -27,7 +27,7 @@ from ciders_edge.inference.compiled_decode import (
 from ciders_edge.inference.generation import context_length
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, personal_messenger, resolve_backbone
 from ciders_edge.inference.providers import resolve_providers
-from ciders_edge.profiles import DeviceProfile, pick_device
+from ciders_edge.profiles import DeviceProfile, keeps_quantized, pick_device
 from ciders_edge.progress import console
 
 __all__ = ["Runtime", "open_runtime", "RUNTIMES"]
@@ -62,6 +62,7 @@ def open_runtime(
     backbone: str | None = None,
     base_model: str | Path | None = None,
     decode: str = "auto",
+    frozen_weights: str | None = None,
 ) -> Runtime:
     """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export; genai from a
     ``genai`` export (``None``: the export's own runtime).
@@ -69,6 +70,7 @@ def open_runtime(
     ``backbone`` (torch from a bundle): ``emu`` or ``full`` (AdapFu); default, what the bundle deploys.
     With an export *and* a bundle, the export must have been made from that bundle and state.
     ``decode`` (torch): ``auto`` compiles on a GPU (:func:`decode_mode`), ``eager`` or ``compiled`` force one.
+    ``frozen_weights`` (torch from a bundle): ``quantized`` or ``dequantized``; default, the profile's.
     """
     exp = Export.load(export) if export is not None else None
     if runtime is None:  # the export's own runtime, else torch
@@ -87,7 +89,8 @@ def open_runtime(
         if bundle is None:
             raise ConfigError("pass --bundle (with --state or --global), or --export")
         b = Bundle.load(bundle)
-        rt = _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model)
+        quantized = keeps_quantized(frozen_weights, profile, b.manifest["profile"])
+        rt = _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model, quantized)
         _set_decode(rt.model, profile, decode)
         return rt
     if EXPORT_RUNTIME[exp.format] != runtime:
@@ -117,10 +120,10 @@ def _llamacpp(exp: Export) -> Runtime:
 
 
 def _torch_from_bundle(
-    bundle: Bundle, state, use_global: bool, profile: DeviceProfile | None, backbone: str, base_model
+    bundle: Bundle, state, use_global: bool, profile: DeviceProfile | None, backbone: str, base_model, quantized: bool
 ) -> Runtime:
     dtype = profile.torch_dtype if profile else None
-    edge, source = load_personalized(bundle, state, use_global, dtype, backbone, base_model)
+    edge, source = load_personalized(bundle, state, use_global, dtype, backbone, base_model, quantized=quantized)
     model = merge_messenger(edge).to(pick_device(profile))
     return Runtime("torch", model, edge.tokenizer, context_length(model.config), source.to_dict())
 

@@ -11,6 +11,7 @@ from transformers.modeling_utils import no_init_weights
 
 from ciders_edge.errors import BundleError
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.storage import Quantized
 from ciders_edge.model.lora import (
     BACKBONE_ADAPTER,
     MESSENGER_ADAPTER,
@@ -21,6 +22,7 @@ from ciders_edge.model.lora import (
     lora_parameters,
     peft_config,
 )
+from ciders_edge.model.quantized import place_quantized
 from ciders_edge.model.split import SplitSpec, shift_layers
 from ciders_edge.profiles import DTYPES
 
@@ -37,20 +39,31 @@ class EdgeModel:
     bundle: Bundle
     backbone: str = "emu"  # emu (the learnable backbone) | full (AdapFu)
     messenger_offset: int = 0  # where this model's messenger layers sit relative to the AdapEmu's
+    checkpoint: bool = False  # training recomputes the messenger layers' activations in backward
 
     def use_messenger(self, x: dict[str, torch.Tensor]) -> None:
         """Load messenger LoRA ``x`` (global v or a personalized x_K, keyed as in the AdapEmu)."""
         copy_into(lora_parameters(self.model, MESSENGER_ADAPTER), shift_layers(x, self.messenger_offset))
 
 
-def load_edge_model(bundle: Bundle, dtype: torch.dtype | None = None, live_backbone: bool = False) -> EdgeModel:
+def load_edge_model(
+    bundle: Bundle, dtype: torch.dtype | None = None, live_backbone: bool = False, quantized: bool = False
+) -> EdgeModel:
     """Build the AdapEmu of ``bundle``: the backbone LoRA is merged (it is frozen on the edge), or
-    kept as a second adapter when the edge must differentiate through it (FedNest's grad_y f_i)."""
+    kept as a second adapter when the edge must differentiate through it (FedNest's grad_y f_i).
+
+    With ``quantized``, frozen weights the bundle ships in 8 or 4 bits stay so in memory
+    (:mod:`.quantized`); the backbone LoRA then stays a live adapter, since merging would requantize.
+    """
     m = bundle.manifest
     split = SplitSpec.from_dict(m["split"])
     config = AutoConfig.from_pretrained(bundle.path)
     dtype = dtype or DTYPES[m["dtype"]]
-    base = instantiate(bundle, config, bundle.base_weights(dtype), dtype, "weights")
+    if quantized and bundle.quantized:
+        base = instantiate_quantized(bundle, config, bundle.base_weights(dtype, keep=True), dtype, "weights")
+        live_backbone = True
+    else:
+        base = instantiate(bundle, config, bundle.base_weights(dtype), dtype, "weights")
     if live_backbone:  # no dropout: the same function as the merged backbone
         frozen = LoraSettings.from_dict(m["backbone_lora"]).replace(dropout=0.0)
         model = attach_lora(base, split, LoraSettings.from_dict(m["lora"]), frozen)
@@ -77,6 +90,26 @@ def instantiate(bundle: Bundle, config, weights: dict[str, torch.Tensor], dtype:
             f"{bundle.path}: {what} do not match its config (missing {missing[:2]}, unexpected {unexpected[:2]})"
         )
     base.tie_weights()
+    base.generation_config = GenerationConfig.from_pretrained(bundle.path)
+    return base
+
+
+def instantiate_quantized(bundle: Bundle, config, weights: dict, dtype: torch.dtype, what: str):
+    """:func:`instantiate` with the ``Quantized`` weights of ``weights`` held as they are stored: the
+    model is built without memory for its parameters (PEFT's and accelerate's meta device), the quantized
+    layers are placed, then the float tensors (norms, biases) are assigned."""
+    from transformers.integrations.accelerate import init_empty_weights
+
+    with init_empty_weights():  # parameters on the meta device; buffers (rotary frequencies) real
+        base = AutoModelForCausalLM.from_config(config)
+    place_quantized(base, {k: w for k, w in weights.items() if isinstance(w, Quantized)}, dtype)
+    floats = {k: v.to(dtype) for k, v in weights.items() if not isinstance(v, Quantized)}
+    missing, unexpected = base.load_state_dict(floats, strict=False, assign=True)
+    if missing or unexpected:
+        raise BundleError(
+            f"{bundle.path}: {what} do not match its config (missing {missing[:2]}, unexpected {unexpected[:2]})"
+        )
+    base.to(dtype)  # the float buffers, as instantiate casts them (the integers and scale bits stay)
     base.generation_config = GenerationConfig.from_pretrained(bundle.path)
     return base
 

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from ciders_edge.errors import BundleError, ModelError
 from ciders_edge.formats.bundle import BACKBONE_FILE, FULL_DIR, FULL_WEIGHTS, MESSENGER_LAYERS_FILE, Bundle
-from ciders_edge.model.adapemu import EdgeModel, instantiate
+from ciders_edge.model.adapemu import EdgeModel, instantiate, instantiate_quantized
 from ciders_edge.model.lora import LoraSettings, attach_lora
 from ciders_edge.model.sources import model_revision, resolve_model
 from ciders_edge.model.split import SplitSpec, shift_layers
@@ -30,9 +30,10 @@ EMBED = "model.embed_tokens.weight"
 
 
 def full_backbone_source(
-    bundle: Bundle, base_model: str | Path | None = None, dtype: torch.dtype | None = None
+    bundle: Bundle, base_model: str | Path | None = None, dtype: torch.dtype | None = None, keep: bool = False
 ) -> tuple[PretrainedConfig, dict]:
-    """The source model's config and its embeddings plus layers ``0..n-a-1``.
+    """The source model's config and its embeddings plus layers ``0..n-a-1`` (``keep``: the bundle's
+    int8/int4 weights as stored).
 
     Raises:
         BundleError: the bundle holds no full backbone and no ``base_model`` was given.
@@ -50,8 +51,8 @@ def full_backbone_source(
             f"the AdapEmu); pass --base-model with a local copy of {model} (content hash {revision[:16]}…), "
             "or use --backbone emu"
         )
-    shipped = bundle.tensors(FULL_WEIGHTS, dtype)
-    backbone = bundle.tensors(BACKBONE_FILE, dtype)
+    shipped = bundle.tensors(FULL_WEIGHTS, dtype, keep)
+    backbone = bundle.tensors(BACKBONE_FILE, dtype, keep)
     weights = {EMBED: backbone[EMBED], **shipped}
     for j, i in enumerate(split.kept):
         if not any(k.startswith(f"model.layers.{i}.") for k in shipped):
@@ -76,15 +77,20 @@ def _from_local_copy(bundle: Bundle, base_model: str | Path, wanted: list[str]) 
     return AutoConfig.from_pretrained(path), weights
 
 
-def load_adapfu(bundle: Bundle, dtype: torch.dtype | None = None, base_model: str | Path | None = None) -> EdgeModel:
-    """AdapFu of ``bundle`` with its global messenger LoRA live (load another with ``use_messenger``)."""
+def load_adapfu(
+    bundle: Bundle, dtype: torch.dtype | None = None, base_model: str | Path | None = None, quantized: bool = False
+) -> EdgeModel:
+    """AdapFu of ``bundle`` with its global messenger LoRA live (load another with ``use_messenger``);
+    ``quantized``: the bundle's int8/int4 frozen weights stay so in memory."""
     m = bundle.manifest
     split = SplitSpec.from_dict(m["split"])
     full = SplitSpec(split.n, split.a, 1.0, split.trained)  # every backbone layer kept: the messenger starts at n - a
-    config, weights = full_backbone_source(bundle, base_model, dtype)
+    keep = quantized and bundle.quantized
+    config, weights = full_backbone_source(bundle, base_model, dtype, keep)
     offset = full.n_kept - split.n_kept
-    weights.update(shift_layers(bundle.tensors(MESSENGER_LAYERS_FILE, dtype), offset, first=split.n_kept))
-    base = instantiate(bundle, config, weights, dtype or DTYPES[m["dtype"]], "the full backbone's weights")
+    weights.update(shift_layers(bundle.tensors(MESSENGER_LAYERS_FILE, dtype, keep), offset, first=split.n_kept))
+    build = instantiate_quantized if keep else instantiate
+    base = build(bundle, config, weights, dtype or DTYPES[m["dtype"]], "the full backbone's weights")
     model = attach_lora(base, full, LoraSettings.from_dict(m["lora"]))
     tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)
     edge = EdgeModel(model.eval(), full, tok, bundle, backbone="full", messenger_offset=offset)

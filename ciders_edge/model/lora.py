@@ -56,11 +56,14 @@ class LoraSettings(ConfigMixin):
 
 
 def peft_config(model: PreTrainedModel, settings: LoraSettings, layers: list[int]) -> LoraConfig:
-    """A PEFT ``LoraConfig`` restricted to the AdapEmu layers ``layers``."""
+    """A PEFT ``LoraConfig`` restricted to the AdapEmu layers ``layers``; it also wraps frozen layers
+    held quantized (:mod:`.quantized_lora`)."""
     from peft import LoraConfig
 
+    from ciders_edge.model.quantized_lora import CUSTOM_MODULES
+
     targets = settings.targets or list(family_of(model.config).lora_targets)
-    return LoraConfig(
+    config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
@@ -70,6 +73,8 @@ def peft_config(model: PreTrainedModel, settings: LoraSettings, layers: list[int
         bias="none",
         task_type="CAUSAL_LM",
     )
+    config._register_custom_module(CUSTOM_MODULES)  # PEFT's (experimental) hook for layer types it lacks
+    return config
 
 
 def attach_lora(

@@ -38,8 +38,17 @@ class MessengerObjective:
     ``a_p``), with gradient accumulation over micro-batches. The frozen messenger layers below them
     run once per mini-batch with the backbone."""
 
-    def __init__(self, edge: EdgeModel, examples: list[Example], batch_size: int, grad_accum: int, seed: int) -> None:
+    def __init__(
+        self,
+        edge: EdgeModel,
+        examples: list[Example],
+        batch_size: int,
+        grad_accum: int,
+        seed: int,
+        checkpoint: bool = False,
+    ) -> None:
         self.edge = edge
+        self.checkpoint = checkpoint  # activation checkpointing over the trained messenger layers
         self.start = edge.split.first_trained  # the cached hidden state enters the trained layers here
         self.params = {k: p for k, p in lora_parameters(edge.model, MESSENGER_ADAPTER).items() if edge.split.trains(k)}
         self.layout = FlatLayout.of(self.params)
@@ -92,7 +101,7 @@ class MessengerObjective:
         return torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device])
 
     def loss(self, mb: BackboneBatch) -> torch.Tensor:
-        return messenger_loss(self.edge.model, mb, self.start)
+        return messenger_loss(self.edge.model, mb, self.start, checkpoint=self.checkpoint)
 
     def load(self, x: Tensors) -> None:
         """Leave the model holding messenger ``x`` (e.g. the personalized one after training)."""

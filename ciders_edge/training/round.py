@@ -10,19 +10,28 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from ciders_edge.data.records import Example, load_examples
-from ciders_edge.errors import PacketError, StateError
+from ciders_edge.errors import ConfigError, PacketError, StateError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet, consensus_digest
 from ciders_edge.hyperparams import RoundHyperparams
+from ciders_edge.memory import estimate_memory
 from ciders_edge.model.adapemu import EdgeModel, load_edge_model
-from ciders_edge.profiles import DeviceProfile, load_profile, pick_device
+from ciders_edge.model.split import SplitSpec
+from ciders_edge.profiles import (
+    DeviceProfile,
+    check_frozen_weights,
+    keeps_quantized,
+    load_profile,
+    pick_device,
+    profile_for,
+)
 from ciders_edge.tensors import Tensors, add, non_finite, norm
 from ciders_edge.training.bilevel import client_gradients
 from ciders_edge.training.equations import clip_displacement, reconstruct_displacement
@@ -52,6 +61,11 @@ class RoundOptions:
     on_step: Callable[[dict], None] | None = None  # called with each local step's metrics
     hypergradient: Tensors | None = None  # FedNest's global hypergradient h for the svrg direction
     seed: int = 0  # of the data order, with the client id and round
+    frozen_weights: str | None = None  # quantized | dequantized (None: the profile's)
+    gradient_checkpointing: bool | None = None  # None: the profile's
+
+    def __post_init__(self) -> None:
+        check_frozen_weights(self.frozen_weights)  # before any file is touched
 
 
 @dataclass
@@ -111,7 +125,7 @@ def local_round(
         probe_seed = round_seed(seed, f"probe:{client_id}", bundle.round)
         grad_y = client_gradients(edge, examples, hp, ask.probe_batches, probe_seed)[2]
     objective = MessengerObjective(
-        edge, examples, hp.batch_size, hp.grad_accum, round_seed(seed, client_id, bundle.round)
+        edge, examples, hp.batch_size, hp.grad_accum, round_seed(seed, client_id, bundle.round), edge.checkpoint
     )
     x0 = {k: state.personalized[k] for k in v} if hp.start_from == "personalized" and state.personalized else v
     result = local_update(v, c, state.c_i, objective, hp, options.on_step, x0=x0, control=options.hypergradient)
@@ -162,7 +176,7 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
     """Check the state against the bundle, load the bundle's AdapEmu and the data, run :func:`local_round`
     and fill its summary."""
     check_state(state, b)
-    hp, edge, examples = load_round(b, data, options.profile, options.overrides)
+    hp, edge, examples = load_round(b, data, options.profile, options.overrides, memory=options)
     output = local_round(edge, examples, state, hp, options)
     rfd = [m["r_fd"] for m in output.result.steps if "r_fd" in m]
     p = output.packet
@@ -185,13 +199,40 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
     return output
 
 
-def load_round(b: Bundle, data, profile: str | None, overrides: dict, live_backbone: bool = False):
-    """The round's hyperparameters, the AdapEmu on the profile's device, and the tokenized data."""
+def load_round(
+    b: Bundle, data, profile: str | None, overrides: dict, live_backbone: bool = False, memory: RoundOptions = None
+):
+    """The round's hyperparameters, the AdapEmu on the profile's device, and the tokenized data. How the
+    frozen weights are held and whether the messenger checkpoints come from ``memory``'s flags, else the
+    profile named, else the bundle's."""
     prof = load_profile(profile) if profile else None
     hp = round_hyperparams(b, prof, overrides)
-    edge = load_edge_model(b, prof.torch_dtype if prof else None, live_backbone or hp.grad_y_in_packet)
+    memory = memory or RoundOptions()
+    quantized = keeps_quantized(memory.frozen_weights, prof, b.manifest["profile"])
+    own = prof or profile_for(None, b.manifest["profile"])
+    checkpoint = own.gradient_checkpointing if memory.gradient_checkpointing is None else memory.gradient_checkpointing
+    _check_fits(b, own, hp, quantized, checkpoint)
+    edge = load_edge_model(b, prof.torch_dtype if prof else None, live_backbone or hp.grad_y_in_packet, quantized)
+    edge.checkpoint = checkpoint
     edge.model.to(pick_device(prof))
     return hp, edge, load_examples(data, edge.tokenizer, hp.seq_len)
+
+
+def _check_fits(b: Bundle, profile: DeviceProfile, hp: RoundHyperparams, quantized: bool, checkpoint: bool) -> None:
+    """Refuse, before the model loads, a round the memory model says cannot train within the profile's budget."""
+    from transformers import AutoConfig
+
+    split = SplitSpec.from_dict(b.manifest["split"])
+    shape = {"batch_size": hp.batch_size, "seq_len": hp.seq_len, "grad_accum": hp.grad_accum}
+    mode = {"frozen_weights": "quantized" if quantized else "dequantized", "gradient_checkpointing": checkpoint}
+    fitted = replace(profile, **shape, **mode)
+    storage = b.manifest.get("storage", {}).get("format", "fp32")
+    est = estimate_memory(AutoConfig.from_pretrained(b.path), split.emu_layers, split.trained, fitted, storage)
+    if not est.fits:
+        raise ConfigError(
+            f"{b.path}: training here {est.describe()} (profile {profile.name}); use a profile with more memory, "
+            "--gradient-checkpointing, --frozen-weights quantized or a smaller --batch-size"
+        )
 
 
 def round_seed(seed: int, client_id: str, round_: int) -> int:

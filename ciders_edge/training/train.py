@@ -108,15 +108,18 @@ def probe(
     client_id: str,
     profile: str | None = None,
     key: bytes | None = None,
+    frozen_weights: str | None = None,
 ) -> dict:
     """FedNest's first exchange of a round: ``grad_x f_i`` and ``grad_y f_i`` at the bundle's point,
-    written as an fp32 packet (the cloud's hypergradient takes them exactly); the state is unchanged."""
+    written as an fp32 packet (the cloud's hypergradient takes them exactly); the state is unchanged.
+    ``frozen_weights`` as :class:`RoundOptions`' (None: the profile's)."""
     b = Bundle.load(bundle)
     check_state(ClientState.load(state_dir), b)
     ask = RoundHyperparams.from_dict(b.manifest["hyperparameters"]).ask  # before the model loads
     if ask is None:
         raise ConfigError(f"{bundle}: round {b.round} asks for no gradients (only FedNest's rounds are probed)")
-    hp, edge, examples = load_round(b, data, profile, {}, live_backbone=True)
+    memory = RoundOptions(frozen_weights=frozen_weights)
+    hp, edge, examples = load_round(b, data, profile, {}, live_backbone=True, memory=memory)
     loss, grad_x, grad_y = client_gradients(
         edge, examples, hp, ask.probe_batches, round_seed(0, f"probe:{client_id}", b.round)
     )

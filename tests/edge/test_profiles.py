@@ -2,7 +2,8 @@ import pytest
 from transformers import LlamaConfig
 
 from ciders_edge.errors import ConfigError
-from ciders_edge.profiles import DeviceProfile, detect_profile, estimate_memory, list_profiles, load_profile
+from ciders_edge.memory import estimate_memory
+from ciders_edge.profiles import DeviceProfile, detect_profile, list_profiles, load_profile
 
 SHIPPED = {"rpi5-8gb", "cpu-laptop", "jetson-orin-nano-8gb", "jetson-agx-orin-64gb", "cuda-24gb"}
 
@@ -47,9 +48,9 @@ def test_memory_estimate_grows_with_sequence_and_dtype():
         num_hidden_layers=30,
         tie_word_embeddings=True,
     )
-    short = estimate_memory(cfg, 25, 6, DeviceProfile(seq_len=128))
-    long = estimate_memory(cfg, 25, 6, DeviceProfile(seq_len=1024))
-    half = estimate_memory(cfg, 25, 6, DeviceProfile(seq_len=128, dtype="bfloat16"))
+    short = estimate_memory(cfg, 25, 6, DeviceProfile(seq_len=128, frozen_weights="dequantized"))
+    long = estimate_memory(cfg, 25, 6, DeviceProfile(seq_len=1024, frozen_weights="dequantized"))
+    half = estimate_memory(cfg, 25, 6, DeviceProfile(seq_len=128, dtype="bfloat16", frozen_weights="dequantized"))
     assert long.activations > 4 * short.activations
     assert half.weights * 2 == short.weights
     # SmolLM2-135M's AdapEmu: ~25 layers of ~3.5M parameters + 28M embedding, in float32.
