@@ -12,12 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 RESULTS = Path(__file__).parent / "results"
 
 
 def machine() -> dict:
+    import torch  # here, not at the top: scaling.py's parent process imports this module and must stay small
+
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
