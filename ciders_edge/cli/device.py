@@ -30,7 +30,7 @@ def profiles(
             return {"detected": detect_profile().to_dict(), **_fits(detect_profile())}
         if name is not None:
             return {"profile": load_profile(name).to_dict(), **_fits(load_profile(name))}
-        return {"profiles": [{**p.to_dict(), "trains_up_to": _fits(p)["largest_train"]} for p in list_profiles()]}
+        return {"profiles": [{**p.to_dict(), **_largest(p)} for p in list_profiles()]}
 
     run_command(body, as_json, _render_profiles)
 
@@ -49,9 +49,26 @@ def _fits(profile) -> dict:
     }
 
 
+def _largest(profile) -> dict:
+    """The largest model class ``profile`` trains, by name and size (for the list's narrow column)."""
+    fits = _fits(profile)
+    size = next((c["parameters"] for c in fits["classes"] if c["name"] == fits["largest_train"]), None)
+    return {"trains_up_to": fits["largest_train"], "trains_up_to_parameters": size}
+
+
 def _render_profiles(s: dict) -> None:
     if "profiles" in s:
-        header = ("name", "target", "dtype/store", "mem", "depth", "drop", "seq×batch", "runtime", "trains")
+        header = (
+            "name",
+            "target",
+            "dtype/store",
+            "mem",
+            "depth",
+            "drop",
+            "seq×batch",
+            "runtime",
+            "max",
+        )  # max: the largest model class it trains
         print_table(key_table(header, [_profile_row(p) for p in s["profiles"]]))
         return
     p = s.get("profile") or s["detected"]
@@ -85,11 +102,16 @@ def _profile_row(p: dict) -> tuple[str, ...]:
         f"{p['memory_budget_gb']:g}G",
         str(p["messenger_depth"]),
         f"{p['drop_ratio']:g}",
-        str(p["lora_rank"]),
         f"{p['seq_len']}×{p['batch_size']}",
         f"{p['runtime']}/{p['quantization']}",
-        p["trains_up_to"] or "-",
+        _size(p["trains_up_to_parameters"]),
     )
+
+
+def _size(parameters: int | None) -> str:
+    if parameters is None:
+        return "-"
+    return f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
 
 
 def verify(
