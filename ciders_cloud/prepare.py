@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ from ciders_cloud.models.backbones import backbone_part, label, pack, tagged
 from ciders_cloud.models.bootstrap import bootstrap
 from ciders_cloud.models.device import cloud_device
 from ciders_cloud.models.fidelity import Fidelity, measure_fidelity
+from ciders_cloud.models.source import teacher_dtype
 from ciders_cloud.models.takd import TERMS, Distiller, public_split
 from ciders_cloud.models.teacher import CloudModels, build_backbones, load_cloud_models
 from ciders_cloud.privacy import PrivateRelease
@@ -61,7 +63,7 @@ def _prepare(run: RunConfig, out: Path, device: torch.device) -> dict:
     run = run.replace(model_path=str(resolve_model(run.model)), hyperparameters=hp.to_dict())
     deploy = deployments(run, profiles)
     public, held = public_split(run, load_tokenizer(Path(run.model_path)))  # bad data fails before the model loads
-    run = run.replace(model_revision=model_revision(Path(run.model_path)))
+    run = run.replace(model_revision=model_revision(Path(run.model_path)), teacher_dtype=teacher_dtype(run))
     run = run.replace(run_id=run.run_id or run_identity(run))
 
     backbones = build_backbones(run, device=device)
@@ -69,10 +71,12 @@ def _prepare(run: RunConfig, out: Path, device: torch.device) -> dict:
     for name, models in backbones.items():  # each learnable backbone is aligned on the same public data
         before[name] = measure_fidelity(models, held)
         steps, distiller = bootstrap(models, public, run)
+        gc.collect()  # the bootstrap's optimizers and gradients: as large as the layers it trained, twice over
         fidelities[name] = measure_fidelity(models, held)
         optimizers[name] = distiller.optimizer_state() if distiller else {}
         takd_step = distiller.step_count if distiller else 0
         records += tagged(run, name, [*steps, fidelity_record(0, takd_step, fidelities[name])])
+        del distiller
     reference = next(iter(backbones))
     state = ServerState(
         round=0,
@@ -137,7 +141,8 @@ def run_identity(run: RunConfig) -> str:
     made_of["clients"] = made_of.pop("client_ids")  # the key before the rename: a run made alike keeps its id
     if not made_of["profile_splits"]:  # a one-split run keeps the id it had before there could be several
         del made_of["profile_splits"]
-    for key, before in (("participation", 1.0), ("sampling", "fixed"), ("dp", {})):  # as it had before them
+    before_them = (("participation", 1.0), ("sampling", "fixed"), ("dp", {}), ("teacher_dtype", "fp32"))
+    for key, before in before_them:  # as it had before them
         if made_of[key] == before:
             del made_of[key]
     made_of["public_data"] = sha256_file(Path(run.public_data))

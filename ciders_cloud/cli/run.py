@@ -80,6 +80,13 @@ def prepare(
         str | None,
         typer.Option(help="How bundles store frozen weights: fp32, bf16, int8 or int4 (default: each profile's)."),
     ] = None,
+    teacher_dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="The cloud's teacher and the frozen weights the AdapEmu shares with it: fp32, bf16, or auto "
+            "(default: bf16 from 1B parameters); what trains stays fp32."
+        ),
+    ] = None,
     participation: Annotated[
         float | None, typer.Option(help="Share q of the clients each fleet round samples.")
     ] = None,
@@ -111,6 +118,7 @@ def prepare(
             "algorithm": algorithm,
             "client_ids": client,
             "storage": storage,
+            "teacher_dtype": teacher_dtype,
             "participation": participation,
             "sampling": sampling,
         }

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
-from ciders_cloud.models.device import autocast
+from ciders_cloud.models.layers import gap_layers
 from ciders_cloud.models.takd import Distiller, hidden_term
 from ciders_cloud.models.teacher import CloudModels
 from ciders_cloud.run.config import RunConfig, TakdConfig
@@ -31,16 +31,10 @@ from ciders_edge.formats.atomic import write_safetensors
 from ciders_edge.formats.checksums import sha256_file
 from ciders_edge.model.forward import decoder_of, layer_outputs, run_layers
 from ciders_edge.model.sources import ciders_home
-from ciders_edge.model.split import SplitSpec
 from ciders_edge.progress import console, progress_bar
 from ciders_edge.schedule import warmup_cosine
 
 __all__ = ["gap_layers", "gap_parameters", "LayerAligner", "bootstrap"]
-
-
-def gap_layers(split: SplitSpec) -> list[int]:
-    """AdapEmu indices of the learnable-backbone layers that follow one or more dropped layers."""
-    return [j for j in range(1, split.n_kept) if split.kept[j] - split.kept[j - 1] > 1]
 
 
 def gap_parameters(models: CloudModels) -> dict[str, torch.nn.Parameter]:
@@ -70,7 +64,7 @@ class LayerAligner:
     def step(self) -> dict[str, float]:
         m, kept = self.models, self.models.split.kept
         batch = m.on_device(next(self.batches))
-        with autocast(m.device):
+        with m.autocast():
             with torch.no_grad():  # out[i]: the full backbone's stream after its first i layers
                 stream, ctx = layer_outputs(
                     m.teacher, batch["input_ids"], batch["attention_mask"], m.split.n - m.split.a
@@ -163,6 +157,8 @@ def _cache_path(run: RunConfig, models: CloudModels) -> Path:
         # so its runs stay alike to the bit, and a different device's run of the same recipe need not
         # spend minutes again. A run's id and its bundles never depend on this cache's key.
     }
+    if models.teacher.dtype != torch.float32:  # a bf16 teacher fits other layers (an fp32 one's key is as it was)
+        key["teacher_dtype"] = str(models.teacher.dtype).removeprefix("torch.")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return ciders_home() / "bootstrap" / f"{digest}.safetensors"
 

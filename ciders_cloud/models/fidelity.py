@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ciders_cloud.models.device import autocast
 from ciders_cloud.models.teacher import CloudModels
 from ciders_edge.config import ConfigMixin
 from ciders_edge.data.records import Example, collate
@@ -52,7 +51,7 @@ def measure_fidelity(models: CloudModels, examples: list[Example], batch_size: i
     for i in range(0, len(examples), batch_size):
         b = m.on_device(collate(examples[i : i + batch_size], m.tokenizer.pad_token_id))
         positions, targets = response_positions(b["labels"])
-        with autocast(m.device):
+        with m.autocast():
             h_full, ctx_full = backbone_hidden(m.teacher, b["input_ids"], b["attention_mask"], split.n - split.a)
             h_emu, ctx = backbone_hidden(m.emu, b["input_ids"], b["attention_mask"], split.n_kept)
             full = messenger_logits(m.emu, h_full, ctx_full, split.n_kept, positions).float().log_softmax(-1)

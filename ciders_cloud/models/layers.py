@@ -19,7 +19,7 @@ from ciders_edge.model.families import family_of
 from ciders_edge.model.split import SplitSpec, rename_layer, shift_layers
 from ciders_edge.tensors import Tensors
 
-__all__ = ["ProfileLayers", "split_for", "profile_spec", "messenger_offset"]
+__all__ = ["ProfileLayers", "split_for", "profile_spec", "messenger_offset", "gap_layers"]
 
 
 def split_for(run: RunConfig, drop_ratio: float | None = None) -> SplitSpec:
@@ -41,6 +41,12 @@ def profile_spec(run: RunConfig, profile: str) -> SplitSpec:
     """The split ``profile`` trains: its backbone's, with its own number of messenger layers."""
     trained, drop = run.profile_split(profile)
     return dataclasses.replace(split_for(run, drop), trained=trained)
+
+
+def gap_layers(split: SplitSpec) -> list[int]:
+    """AdapEmu indices of the learnable-backbone layers that follow one or more dropped layers: those
+    prepare's bootstrap trains (:mod:`.bootstrap`)."""
+    return [j for j in range(1, split.n_kept) if split.kept[j] - split.kept[j - 1] > 1]
 
 
 def messenger_offset(run: RunConfig, split: SplitSpec) -> int:

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from ciders_cloud.models.device import autocast
 from ciders_cloud.run.server_state import optimizer_from_tensors, optimizer_to_tensors
 from ciders_edge.data.records import IGNORE, Example, batch_stream, load_examples
 from ciders_edge.model.forward import backbone_hidden, messenger_logits
@@ -172,7 +171,7 @@ class Distiller:
         set_trainable(self.models.emu, None)  # the messenger (and so the teacher's logits) has no graph
         for p in self.params:
             p.requires_grad_(True)
-        with autocast(self.models.device):
+        with self.models.autocast():
             terms = takd_terms(self.models, next(self.batches), self.cfg)
         self.optimizer.zero_grad(set_to_none=True)
         terms["loss"].backward()

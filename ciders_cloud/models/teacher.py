@@ -5,10 +5,14 @@ the run's compute device; what it hands out for the disk is on the CPU.
 
 A run whose profiles drop different shares of the backbone has one AdapEmu per drop ratio
 (:func:`build_backbones`), all over one teacher. Their messenger layers sit at different AdapEmu
-indices; v, c and every c_i are named as the reference backbone's AdapEmu names them."""
+indices; v, c and every c_i are named as the reference backbone's AdapEmu names them.
+
+The weights are in memory once: every AdapEmu holds the teacher's own tensors, save the layers the
+bootstrap trains (its own fp32 copies), in the teacher's dtype (:mod:`.source`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +23,17 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ciders_cloud.models.backbones import unpack
-from ciders_cloud.models.device import CPU, to_cpu
-from ciders_cloud.models.layers import messenger_offset, split_for
+from ciders_cloud.models.device import CPU, autocast, to_cpu
+from ciders_cloud.models.layers import gap_layers, messenger_offset, split_for
+from ciders_cloud.models.source import DTYPES, load_teacher, teacher_dtype
 from ciders_cloud.run.config import RunConfig, backbone_name
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import StateError
+from ciders_edge.model.forward import decoder_of
 from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, attach_lora, load_lora_state, lora_state
-from ciders_edge.model.sources import load_model, load_tokenizer
-from ciders_edge.model.split import SplitSpec, build_adapemu, shift_layers
+from ciders_edge.model.sources import load_tokenizer
+from ciders_edge.model.split import SplitSpec, build_adapemu, layer_of, shift_layers
 from ciders_edge.tensors import Tensors
 
 __all__ = ["CloudModels", "build_cloud_models", "build_backbones", "load_cloud_models"]
@@ -50,22 +56,32 @@ class CloudModels:
         """A collated batch (built on the CPU) on the models' device."""
         return {k: v.to(self.device) for k, v in batch.items()}
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision TAKD, the bootstrap and fidelity compute in: bf16 autocast on CUDA; on the CPU
+        fp32, over a bf16 teacher's weights too (widened at each use, :class:`~.device.WidenBf16`)."""
+        return autocast(self.device, self.teacher.dtype)
+
     def changed_layers(self) -> dict[str, torch.Tensor]:
         """The AdapEmu base weights that differ from the source layers they were copied from (prepare's
-        bootstrap trains the layers after each gap): what the run folder keeps beside the source model."""
-        source = self.teacher.state_dict()
-        out = {}
+        bootstrap trains the layers after each gap): what the run folder keeps beside the source model.
+        On the CPU, views of the live weights (write them before training on)."""
+        changed = self._changed()
+        return to_cpu({k: v for k, v in self.base_weights.items() if layer_of(k) in changed})
+
+    def _changed(self) -> set[int]:
+        """AdapEmu indices of the kept layers whose weights are not their source's (shared, or equal)."""
+        source, out = self.teacher.state_dict(), set()
         for j, i in enumerate(self.split.kept):
             layer = {k: v for k, v in self.base_weights.items() if k.startswith(f"model.layers.{j}.")}
-            if any(not torch.equal(v, source[k.replace(f"layers.{j}.", f"layers.{i}.", 1)]) for k, v in layer.items()):
-                out.update({k: v.to("cpu", copy=True) for k, v in layer.items()})
+            if any(not _same(v, source[k.replace(f"layers.{j}.", f"layers.{i}.", 1)]) for k, v in layer.items()):
+                out.add(j)
         return out
 
     def full_backbone(self) -> dict[str, torch.Tensor]:
         """The source layers ``0..n-a-1`` that the AdapEmu's backbone does not hold unchanged (the dropped
         ones and the ones bootstrap trained), under their source names: with the bundle's backbone file,
         they make the full backbone B_F that AdapFu runs on."""
-        changed = {int(k.split(".")[2]) for k in self.changed_layers()}
+        changed = self._changed()
         unchanged = {i for j, i in enumerate(self.split.kept) if j not in changed}
         needed = [i for i in range(self.split.n - self.split.a) if i not in unchanged]
         source = self.teacher.state_dict()
@@ -87,6 +103,12 @@ class CloudModels:
     def backbone_state(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the backbone LoRA."""
         return {k: v.to("cpu", copy=True) for k, v in lora_state(self.emu, BACKBONE_ADAPTER).items()}
+
+
+def _same(trained: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether an AdapEmu weight still is its source's: the very tensor, or equal in value (an fp32 copy
+    of a bf16 teacher's weight is equal when it holds the same numbers)."""
+    return trained.data_ptr() == source.data_ptr() or torch.equal(trained, source.to(trained.dtype))
 
 
 def build_backbones(
@@ -123,19 +145,26 @@ def build_cloud_models(
 ) -> CloudModels:
     """Load M* (unless ``teacher`` is it already), build its AdapEmu of ``drop_ratio`` (default: the
     reference) with the run's ``aligned`` layers (prepare's bootstrap), both on ``device``, attach the
-    LoRAs (seeded) and, if given, load their state."""
+    LoRAs (seeded) and, if given, load their state.
+
+    The AdapEmu is built on ``device`` from the teacher there, sharing its tensors but for its own fp32
+    copies of the layers the bootstrap trains (and any ``aligned`` holds)."""
     path = Path(run.model_path)
     drop = run.drop_ratio if drop_ratio is None else drop_ratio
     split = split_for(run, drop)
-    teacher = teacher if teacher is not None else load_model(path).eval().requires_grad_(False)
-    emu = build_adapemu(teacher, split)
+    if teacher is None:
+        teacher = load_teacher(path, DTYPES[teacher_dtype(run)], device)
+    emu = build_adapemu(teacher, split, own := _trained_layers(run, split, aligned or {}))
+    layers = decoder_of(emu).layers
+    for j in own:
+        layers[j].float()  # what trains, trains in fp32 (a no-op over an fp32 teacher)
+    emu.to(device)  # its buffers; before the views below are taken and the LoRAs attached (PEFT's init is on the CPU)
     if aligned:
-        missing = sorted(set(aligned) - set(emu.state_dict()))
-        if missing:
+        names = emu.state_dict().keys()
+        missing = sorted(k for k in aligned if k not in names or layer_of(k) is None)
+        if missing:  # a layer's tensors only: anything else is the teacher's own, shared
             raise StateError(f"aligned layer tensors {missing[:2]} do not belong to this run's AdapEmu")
         emu.load_state_dict(aligned, strict=False)
-    teacher.to(device)
-    emu.to(device)  # before the views below are taken and the LoRAs attached (PEFT draws their init on the CPU)
     base = {k: v for k, v in emu.state_dict().items()}
     if emu.config.tie_word_embeddings:
         base.pop("lm_head.weight", None)
@@ -147,6 +176,12 @@ def build_cloud_models(
         models.load_messenger(state.messenger)
         load_lora_state(model, state.backbone, BACKBONE_ADAPTER)
     return models
+
+
+def _trained_layers(run: RunConfig, split: SplitSpec, aligned: dict[str, torch.Tensor]) -> set[int]:
+    """The AdapEmu layers that hold weights of their own: those the bootstrap trains, and ``aligned``'s."""
+    trained = gap_layers(split) if run.takd_config.align_params == "layers" else []
+    return {*trained, *(j for k in aligned if (j := layer_of(k)) is not None)}
 
 
 def load_cloud_models(

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig
 
 from ciders_cloud.models.backbones import backbone_part
-from ciders_cloud.models.device import to_cpu
 from ciders_cloud.models.fidelity import Fidelity
 from ciders_cloud.models.layers import profile_spec
 from ciders_cloud.models.teacher import CloudModels
@@ -25,7 +25,7 @@ from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import DeviceProfile
 from ciders_edge.progress import console
 
-__all__ = ["write_bundles", "bundle_contents", "bundle_takd_loss", "deployments", "TAKD_LOSS_KEYS"]
+__all__ = ["write_bundles", "bundle_contents", "bundle_takd_loss", "deployments", "frozen_weights", "TAKD_LOSS_KEYS"]
 
 TAKD_LOSS_KEYS = ("hidden_loss", "lambda_hidden", "lambda_out", "lambda_task", "task_loss")  # shown in manifests
 
@@ -88,16 +88,28 @@ def bundle_contents(
         config=emu.config,
         tokenizer=models.tokenizer,
         generation_config=emu.generation_config,
-        base_weights=to_cpu(models.base_weights, profile.torch_dtype),
+        base_weights=frozen_weights(models.base_weights, profile.torch_dtype),
         messenger_lora=models.to_own(state.messenger),
         messenger_peft_config=peft_config(emu, run.lora_settings, split.emu_messenger),
         backbone_lora=backbone_part(run, state.backbone, models.name),
         backbone_peft_config=peft_config(emu, run.backbone_lora_settings, list(range(split.n_kept))),
         consensus={k: t for k, t in consensus.items() if split.trains(k)},
-        full_backbone=to_cpu(full, profile.torch_dtype) if full is not None else None,
+        full_backbone=frozen_weights(full, profile.torch_dtype) if full is not None else None,
         full_config=models.teacher.config if full is not None else None,
         storage=run.storage or profile.storage,
     )
+
+
+def frozen_weights(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Frozen weights on the CPU for a profile that computes in ``dtype``: rounded to it where that
+    narrows them, as they are where it would only widen them (a bf16 teacher's in an fp32 profile): the
+    bundle's storage gives the same numbers either way, and 8 or 4 bits widen one tensor at a time, so
+    the model is not copied whole in fp32 first."""
+    out = {}
+    for k, v in tensors.items():
+        widens = torch.promote_types(v.dtype, dtype) == dtype
+        out[k] = v.detach().to("cpu", v.dtype if widens else dtype)
+    return out
 
 
 def bundle_takd_loss(run: RunConfig, round_: int) -> TakdConfig:

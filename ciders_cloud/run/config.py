@@ -28,12 +28,14 @@ __all__ = [
     "TASK_LOSSES",
     "ALIGN_PARAMS",
     "GAMMA_SCHEDULES",
+    "TEACHER_DTYPES",
 ]
 
 HIDDEN_LOSSES = ("relative", "mse")
 TASK_LOSSES = ("excess", "ce")
 ALIGN_PARAMS = ("layers", "lora")
 GAMMA_SCHEDULES = ("constant", "protocol-c")
+TEACHER_DTYPES = ("auto", "fp32", "bf16")  # auto: bf16 for large models (ciders_cloud.models.source)
 
 
 def backbone_name(drop_ratio: float) -> str:
@@ -87,6 +89,7 @@ class RunConfig(ConfigMixin):
         "gamma_schedule": GAMMA_SCHEDULES,
         "storage": ("", *STORAGES),
         "sampling": SAMPLINGS,
+        "teacher_dtype": TEACHER_DTYPES,
     }
     TABLES = {
         "lora": LoraSettings,
@@ -122,6 +125,7 @@ class RunConfig(ConfigMixin):
     sampling: str = "fixed"  # fixed: round(q N) of them, without replacement; poisson: each with probability q
     dp: dict = field(default_factory=dict)  # client-level differential privacy (PrivacySettings' keys); empty: off
     storage: str = ""  # how bundles store frozen weights (fp32, bf16, int8, int4); empty: each profile's
+    teacher_dtype: str = "auto"  # M* and the frozen weights the AdapEmu shares: fp32, bf16; prepare records auto's pick
     run_id: str = ""  # set by prepare (prepare.run_identity); in every bundle: an edge state is tied to its run
 
     @classmethod
@@ -274,8 +278,14 @@ def _with_round_task_ce(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "hyperparameters": {**hp, "takd_lambda_task": takd.get("lambda_task", TakdConfig.lambda_task)}}
 
 
+def _with_fp32_teacher(d: dict[str, Any]) -> dict[str, Any]:
+    """A run.json from before the teacher had a dtype to choose held it in fp32, and goes on so."""
+    return d if not isinstance(d, dict) or "teacher_dtype" in d else {**d, "teacher_dtype": "fp32"}
+
+
 def load_run(run_dir: Path) -> RunConfig:
     path = RunFolder(run_dir).config
     if not path.is_file():
         raise StateError(f"{run_dir}: not a run folder (no {path.name}); create one with `ciders-cloud prepare`")
-    return RunConfig.from_dict(_with_round_task_ce(json.loads(path.read_text())), where=str(path))
+    d = _with_fp32_teacher(_with_round_task_ce(json.loads(path.read_text())))
+    return RunConfig.from_dict(d, where=str(path))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-from ciders_cloud.run.config import RunConfig
+from ciders_cloud.run.config import TEACHER_DTYPES, RunConfig
 from ciders_cloud.study.config import SimConfig
 from ciders_edge.config import read_toml
 from ciders_edge.errors import ConfigError
@@ -29,12 +29,14 @@ class ConfigFile(SimConfig):
     """The keys a config file may hold: simulate's and prepare's own (only its field types are read)."""
 
     TABLES = {**SimConfig.TABLES, "lora": LoraSettings, "backbone_lora": LoraSettings}
+    CHOICES = {**SimConfig.CHOICES, "teacher_dtype": TEACHER_DTYPES}
 
     profiles: list[str] = field(default_factory=list)  # prepare's device profiles (simulate's is `profile`)
     client_ids: list[str] = field(default_factory=list)  # prepare's accepted client ids
     lora: dict = field(default_factory=dict)
     backbone_lora: dict = field(default_factory=dict)
     storage: str = ""  # prepare's bundle storage of frozen weights (empty: each profile's)
+    teacher_dtype: str = "auto"  # prepare's dtype of the teacher and the frozen weights on the cloud
 
 
 PREPARE_ONLY = tuple(k for k in ConfigFile.field_types() if k not in SimConfig.field_types())

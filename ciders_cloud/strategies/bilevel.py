@@ -7,6 +7,7 @@ with ``grad_yy g`` and ``grad_xy g`` need no communication here; the clients con
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ciders_cloud.models.device import to_cpu
+from ciders_cloud.models.device import WidenBf16, to_cpu
 from ciders_cloud.models.takd import takd_terms
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies.hypergradient import indirect_term, second_order
@@ -43,8 +44,12 @@ class TakdInner:
         copy_into(self.y, y)
         for p in (*self.x.values(), *self.y.values()):
             p.requires_grad_(True)
-        with sdpa_kernel(SDPBackend.MATH):  # the fused CPU and CUDA kernels have no double-backward
+        with sdpa_kernel(SDPBackend.MATH), self._precision():  # the fused kernels have no double-backward
             return takd_terms(self.models, self.batch, self.cfg)["loss"], self.x, self.y
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        """fp32 (see :func:`cloud_indirect_term`), over a bf16 teacher's weights too, widened at each use."""
+        return WidenBf16() if self.models.teacher.dtype == torch.bfloat16 else contextlib.nullcontext()
 
 
 def cloud_indirect_term(

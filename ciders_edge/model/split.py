@@ -8,6 +8,7 @@ LM (generation, PEFT, export) works on it unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -115,8 +116,14 @@ def emu_layer_source(spec: SplitSpec) -> list[int]:
     return spec.kept + spec.messenger_source
 
 
-def build_adapemu(model: PreTrainedModel, spec: SplitSpec) -> PreTrainedModel:
-    """Return the AdapEmu ``P_M ∘ B_L`` of ``model`` as a new model (the original is untouched)."""
+def build_adapemu(model: PreTrainedModel, spec: SplitSpec, own: Collection[int] | None = None) -> PreTrainedModel:
+    """Return the AdapEmu ``P_M ∘ B_L`` of ``model`` as a new model (the original is untouched).
+
+    Args:
+        own: ``None`` (the default): every tensor is a copy. Otherwise the AdapEmu layers (its indices)
+            that get their own copy; every other tensor is ``model``'s own, shared, for a caller that
+            keeps ``model`` and never changes those (the cloud's teacher), so the weights are in memory once.
+    """
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import no_init_weights
 
@@ -127,9 +134,13 @@ def build_adapemu(model: PreTrainedModel, spec: SplitSpec) -> PreTrainedModel:
     config.num_hidden_layers = spec.emu_layers
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = [model.config.layer_types[i] for i in emu_layer_source(spec)]
-    with no_init_weights():  # every weight is overwritten below
-        emu = AutoModelForCausalLM.from_config(config).to(model.dtype)
-    missing, unexpected = emu.load_state_dict(_remap(model.state_dict(), emu_layer_source(spec)), strict=False)
+    with no_init_weights():  # every weight is overwritten below, or replaced (``own``: its memory is never touched)
+        if own is None:
+            emu = AutoModelForCausalLM.from_config(config).to(model.dtype)
+        else:  # built in the model's dtype, as the model was: its buffers too (a bf16 config's would be rounded)
+            emu = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    state = _remap(model.state_dict(), emu_layer_source(spec), own)
+    missing, unexpected = emu.load_state_dict(state, strict=False, assign=own is not None)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"AdapEmu assembly mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -138,14 +149,17 @@ def build_adapemu(model: PreTrainedModel, spec: SplitSpec) -> PreTrainedModel:
     return emu.eval()
 
 
-def _remap(state: dict[str, torch.Tensor], source: list[int]) -> dict[str, torch.Tensor]:
-    """Rename ``layers.{src}.`` keys to ``layers.{dst}.``; tensors are cloned so nothing is shared."""
-    out = {k: v.clone() for k, v in state.items() if ".layers." not in k}
+def _remap(
+    state: dict[str, torch.Tensor], source: list[int], own: Collection[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """Rename ``layers.{src}.`` keys to ``layers.{dst}.``; tensors are cloned (with ``own``: those of
+    the layers ``dst`` in it) so nothing is shared that may change."""
+    out = {k: v if own is not None else v.clone() for k, v in state.items() if ".layers." not in k}
     for dst, src in enumerate(source):
         prefix = f"model.layers.{src}."
         for k, v in state.items():
             if k.startswith(prefix):
-                out[f"model.layers.{dst}.{k[len(prefix) :]}"] = v.clone()
+                out[f"model.layers.{dst}.{k[len(prefix) :]}"] = v.clone() if own is None or dst in own else v
     return out
 
 
