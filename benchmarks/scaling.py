@@ -169,15 +169,21 @@ def measure_decode(job: Job, place: Path, settings: dict, rerun: bool = False) -
     keep(job, "decode", settings, job.child("decode", spec, "decode"), due)
 
 
+def decode_export(job: Job, place: Path, plan: dict, runtime: str) -> Path | None:
+    """The export ``decode`` made for ``runtime`` (made again if it is not there), or None if it cannot be."""
+    export = place / "exports" / runtime
+    if not (export / "manifest.json").is_file():
+        measure_decode(job, place, plan["decode"], rerun=True)
+    return export if (export / "manifest.json").is_file() else None
+
+
 def measure_infer(job: Job, place: Path, plan: dict) -> None:
     """``ciders-edge infer --export`` of the GenAI int8 export, the steady state of ``infer`` (export made)."""
     settings = plan["infer"]
     if not job.due("infer", settings):
         return
-    export = place / "exports" / "genai-int8"
-    if not (export / "manifest.json").is_file():
-        measure_decode(job, place, plan["decode"], rerun=True)
-    if not (export / "manifest.json").is_file():
+    export = decode_export(job, place, plan, "genai-int8")
+    if export is None:
         job.record("infer", settings, {"refused": "no GenAI int8 export (see decode)"})
         return
     cli = Path(sys.executable).with_name("ciders-edge")
@@ -195,10 +201,8 @@ def measure_llama_bench(job: Job, place: Path, plan: dict) -> None:
     settings = plan["llama-bench"]
     if not job.due("llama-bench", settings):
         return
-    folder = place / "exports" / "llamacpp-q8_0"
-    if not (folder / "manifest.json").is_file():
-        measure_decode(job, place, plan["decode"], rerun=True)
-    gguf = next(folder.glob("*.gguf"), None)
+    folder = decode_export(job, place, plan, "llamacpp-q8_0")
+    gguf = next(folder.glob("*.gguf"), None) if folder is not None else None
     if gguf is None:
         job.record("llama-bench", settings, {"refused": "no merged Q8_0 GGUF (see decode)"})
         return

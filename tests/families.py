@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FAMILIES", "build_family", "LAYER_TYPES_GEMMA3", "llama_logits"]
+__all__ = ["FAMILIES", "build_family", "LAYER_TYPES_GEMMA3"]
 
 _SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=1024)  # fmt: skip
@@ -68,34 +68,3 @@ def build_family(name: str, tokenizer_dir: Path, out: Path, seed: int = 0) -> Pa
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
-
-
-LLAMA_LOGITS = """
-import json, sys
-import numpy as np
-import llama_cpp
-model, adapter, ids, out = json.loads(sys.argv[1])
-kw = {"lora_path": adapter} if adapter else {}
-llm = llama_cpp.Llama(model_path=model, n_ctx=256, n_threads=2, verbose=False, logits_all=True,
-                      type_k=0, type_v=0, **kw)
-llm.eval(ids)
-np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
-"""
-
-
-def llama_logits(ids: list[int], model: Path, adapter: Path | None = None) -> torch.Tensor:
-    """llama.cpp's logits (f32 KV cache) at every position of ``ids``, in a fresh interpreter (llama.cpp's
-    threads beside torch's in one process have crashed it)."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
-    import numpy as np
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "logits.npy"
-        arg = json.dumps([str(model), str(adapter) if adapter else None, ids, str(out)])
-        done = subprocess.run([sys.executable, "-c", LLAMA_LOGITS, arg], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return torch.from_numpy(np.load(out))

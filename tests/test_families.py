@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from families import FAMILIES, build_family, llama_logits
+from families import FAMILIES, build_family
+from llamacpp_logits import llama_logits
 
 from ciders_cloud import RunConfig, prepare
 from ciders_cloud.round.aggregate import aggregate_files

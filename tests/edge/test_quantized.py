@@ -95,7 +95,9 @@ def test_training_on_quantized_weights_agrees_with_dequantizing_at_load(distille
     losses, states = {}, {}
     for mode in ("dequantized", "quantized"):
         options = RoundOptions(client_id="a", overrides={"local_steps": 5}, frozen_weights=mode)
-        out = train(distilled.path, demo_dir / "dates" / "train.jsonl", tmp_path / mode, tmp_path / f"{mode}.pkt", options)
+        out = train(
+            distilled.path, demo_dir / "dates" / "train.jsonl", tmp_path / mode, tmp_path / f"{mode}.pkt", options
+        )
         losses[mode] = [s["loss"] for s in out.result.steps]
         states[mode] = out.state.personalized
     assert losses["quantized"] == pytest.approx(losses["dequantized"], rel=1e-5)

@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
+from llamacpp_logits import llama_logits
 from typer.testing import CliRunner
 
 import export.gguf
@@ -211,28 +210,9 @@ def llama_cpp():
     return pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llamacpp extra) is not installed")
 
 
-LLAMA_LOGITS = """
-import json, sys
-import numpy as np
-import llama_cpp
-model, adapter, ids, out = json.loads(sys.argv[1])
-kw = {"lora_path": adapter} if adapter else {}
-llm = llama_cpp.Llama(model_path=model, n_ctx=256, n_threads=2, verbose=False, logits_all=True, **kw)
-assert llm.tokenize(llm.detokenize(ids, special=True), add_bos=False, special=True) == ids
-llm.eval(ids)
-np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
-"""
-
-
 def _llama_logits(ids: list[int], model: Path, adapter: Path | None = None) -> torch.Tensor:
-    """llama.cpp's logits at every position of ``ids``, in a fresh interpreter (llama.cpp's CPU threads
-    next to torch's in one pytest process have crashed it), after checking its tokenizer round-trips them."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "logits.npy"
-        arg = json.dumps([str(model), str(adapter) if adapter else None, ids, str(out)])
-        done = subprocess.run([sys.executable, "-c", LLAMA_LOGITS, arg], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return torch.from_numpy(np.load(out))
+    """llama.cpp's logits, after checking its tokenizer round-trips ``ids``."""
+    return llama_logits(ids, model, adapter, round_trip=True)
 
 
 @pytest.fixture(scope="module")
