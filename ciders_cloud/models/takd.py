@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ciders_cloud.run.server_state import optimizer_from_tensors, optimizer_to_tensors
 from ciders_edge.data.records import IGNORE, Example, batch_stream, load_examples
-from ciders_edge.model.forward import backbone_hidden, messenger_logits
+from ciders_edge.model.forward import Recompute, backbone_hidden, messenger_logits
 from ciders_edge.model.lora import BACKBONE_ADAPTER, lora_parameters, set_trainable
 from ciders_edge.progress import progress_bar
 
@@ -99,10 +99,13 @@ def takd_loss(
     return {"loss": loss, "hidden": hidden, "kl": kl, "ce": ce}
 
 
-def takd_terms(models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -> dict[str, Tensor]:
+def takd_terms(
+    models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig, checkpoint: Recompute = False
+) -> dict[str, Tensor]:
     """Eq. (2) on one batch, differentiable in whatever requires grad (the teacher's messenger is the
     AdapEmu's, so the loss depends on the messenger LoRA through both sides). The caller picks the
-    precision (:func:`ciders_cloud.models.device.autocast` or none)."""
+    precision (:func:`ciders_cloud.models.device.autocast` or none); ``checkpoint``: the AdapEmu's
+    activations are recomputed in backward, not kept (:attr:`CloudModels.checkpoint`)."""
     m, split = models, models.split
     batch = m.on_device(batch)
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -110,9 +113,9 @@ def takd_terms(models: CloudModels, batch: dict[str, Tensor], cfg: TakdConfig) -
     targets = batch["labels"][:, 1:][valid]
     with torch.no_grad():  # the frozen full backbone B_F
         h_full, ctx_full = backbone_hidden(m.teacher, ids, mask, split.n - split.a)
-    logits_t = messenger_logits(m.emu, h_full, ctx_full, split.n_kept, valid)  # AdapFu
-    h_emu, ctx = backbone_hidden(m.emu, ids, mask, split.n_kept)
-    logits_s = messenger_logits(m.emu, h_emu, ctx, split.n_kept, valid)  # AdapEmu
+    logits_t = messenger_logits(m.emu, h_full, ctx_full, split.n_kept, valid, checkpoint)  # AdapFu
+    h_emu, ctx = backbone_hidden(m.emu, ids, mask, split.n_kept, checkpoint)
+    logits_s = messenger_logits(m.emu, h_emu, ctx, split.n_kept, valid, checkpoint)  # AdapEmu
     return takd_loss(
         h_emu[valid],
         h_full[valid],
@@ -172,7 +175,7 @@ class Distiller:
         for p in self.params:
             p.requires_grad_(True)
         with self.models.autocast():
-            terms = takd_terms(self.models, next(self.batches), self.cfg)
+            terms = takd_terms(self.models, next(self.batches), self.cfg, self.models.checkpoint)
         self.optimizer.zero_grad(set_to_none=True)
         terms["loss"].backward()
         if self.cfg.clip > 0:

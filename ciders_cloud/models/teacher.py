@@ -23,14 +23,14 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ciders_cloud.models.backbones import unpack
-from ciders_cloud.models.device import CPU, autocast, to_cpu
+from ciders_cloud.models.device import CPU, WidenBf16, autocast, to_cpu
 from ciders_cloud.models.layers import gap_layers, messenger_offset, split_for
 from ciders_cloud.models.source import DTYPES, load_teacher, teacher_dtype
 from ciders_cloud.run.config import RunConfig, backbone_name
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import StateError
-from ciders_edge.model.forward import decoder_of
+from ciders_edge.model.forward import Recompute, decoder_of
 from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, attach_lora, load_lora_state, lora_state
 from ciders_edge.model.sources import load_tokenizer
 from ciders_edge.model.split import SplitSpec, build_adapemu, layer_of, shift_layers
@@ -60,6 +60,16 @@ class CloudModels:
         """The precision TAKD, the bootstrap and fidelity compute in: bf16 autocast on CUDA; on the CPU
         fp32, over a bf16 teacher's weights too (widened at each use, :class:`~.device.WidenBf16`)."""
         return autocast(self.device, self.teacher.dtype)
+
+    @property
+    def checkpoint(self) -> Recompute:
+        """Whether TAKD recomputes the AdapEmu's activations in backward instead of keeping them: for a
+        model held in bf16 (``teacher_dtype``, 1B parameters and more), where they are gigabytes (the
+        same numbers either way). On the CPU the recomputation widens bf16 weights as the forward did
+        (checkpointing restores CUDA's autocast by itself, not a torch function mode)."""
+        if self.teacher.dtype == torch.float32:
+            return False
+        return WidenBf16 if self.device.type == "cpu" else True
 
     def changed_layers(self) -> dict[str, torch.Tensor]:
         """The AdapEmu base weights that differ from the source layers they were copied from (prepare's

@@ -7,20 +7,25 @@ run on response positions only. The halves compose to exactly the model's own fo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
+from torch.utils.checkpoint import noop_context_fn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ciders_edge.model.families import family_of
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
+Recompute = bool | Callable[[], contextlib.AbstractContextManager]  # run_layers' checkpoint
 
 __all__ = [
     "Context",
+    "Recompute",
     "make_context",
     "attention_kinds",
     "decoder_of",
@@ -94,19 +99,24 @@ def attention_kinds(config) -> set[str]:
 
 
 def run_layers(
-    model: torch.nn.Module, hidden: Tensor, ctx: Context, start: int, stop: int, checkpoint: bool = False
+    model: torch.nn.Module, hidden: Tensor, ctx: Context, start: int, stop: int, checkpoint: Recompute = False
 ) -> Tensor:
     """Run decoder layers ``start..stop-1`` on ``hidden`` (B, T, H).
 
     Args:
         checkpoint: when grad is enabled, keep only each layer's input and recompute its activations in
             backward (activation checkpointing: memory for one layer's activations instead of all);
-            the recomputation replays the RNG, so LoRA dropout draws the same mask.
+            the recomputation replays the RNG, so LoRA dropout draws the same mask. A context manager
+            factory instead of True: the recomputation runs in it (the forward's precision, where
+            checkpointing does not restore it by itself).
     """
-    recompute = checkpoint and torch.is_grad_enabled()
+    recompute = bool(checkpoint) and torch.is_grad_enabled()
+    contexts = (lambda: (contextlib.nullcontext(), checkpoint())) if callable(checkpoint) else noop_context_fn
     for layer in decoder_of(model).layers[start:stop]:
         if recompute:
-            hidden = torch.utils.checkpoint.checkpoint(_run_layer, layer, hidden, ctx, use_reentrant=False)
+            hidden = torch.utils.checkpoint.checkpoint(
+                _run_layer, layer, hidden, ctx, use_reentrant=False, context_fn=contexts
+            )
         else:
             hidden = _run_layer(layer, hidden, ctx)
     return hidden
@@ -134,12 +144,13 @@ def _run_layer(layer: torch.nn.Module, hidden: Tensor, ctx: Context) -> Tensor:
 
 
 def backbone_hidden(
-    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, n_layers: int
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, n_layers: int, checkpoint: Recompute = False
 ) -> tuple[Tensor, Context]:
-    """Embeddings + the first ``n_layers`` layers: the hidden state entering the messenger (B, T, H)."""
+    """Embeddings + the first ``n_layers`` layers: the hidden state entering the messenger (B, T, H);
+    ``checkpoint``: see :func:`run_layers`."""
     embeds = embed(model, input_ids)
     ctx = make_context(model, embeds, attention_mask)
-    return run_layers(model, embeds, ctx, 0, n_layers), ctx
+    return run_layers(model, embeds, ctx, 0, n_layers, checkpoint), ctx
 
 
 def layer_outputs(
@@ -161,7 +172,7 @@ def messenger_logits(
     ctx: Context,
     start: int,
     positions: tuple[Tensor, Tensor] | None = None,
-    checkpoint: bool = False,
+    checkpoint: Recompute = False,
 ) -> Tensor:
     """Messenger layers from ``start``, final norm and LM head (and a family's logit soft-cap).
 

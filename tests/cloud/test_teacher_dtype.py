@@ -1,6 +1,7 @@
 """The cloud holds the source model once, in the run's teacher dtype (``ciders_cloud.models.source``)."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -10,10 +11,11 @@ from safetensors.torch import load_file
 import ciders_cloud.models.bootstrap as bootstrap_module
 import ciders_cloud.models.source as source
 from ciders_cloud import prepare
+from ciders_cloud.models.bootstrap import gap_parameters
 from ciders_cloud.models.device import WidenBf16
 from ciders_cloud.models.layers import gap_layers
 from ciders_cloud.models.source import load_teacher, parameter_count, teacher_dtype
-from ciders_cloud.models.takd import public_split
+from ciders_cloud.models.takd import public_split, takd_terms
 from ciders_cloud.models.teacher import build_cloud_models, load_cloud_models
 from ciders_cloud.prepare import distill
 from ciders_cloud.round.bundles import frozen_weights
@@ -26,6 +28,7 @@ from ciders_edge.data.records import collate
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.model.forward import decoder_of
+from ciders_edge.model.lora import set_trainable
 from ciders_edge.model.sources import load_model
 from ciders_edge.model.split import layer_of
 
@@ -176,3 +179,37 @@ def test_a_config_file_sets_the_teacher_dtype_for_prepare_only(tmp_path):
     path.write_text('teacher_dtype = "fp16"\n')
     with pytest.raises(ConfigError, match="`teacher_dtype` must be a string, one of 'auto', 'fp32', 'bf16'"):
         load_config(str(path), "prepare")
+
+
+def test_a_bf16_teachers_takd_recomputes_the_emulators_activations_to_the_same_gradients(tiny_path, demo_dir):
+    """Over a bf16 teacher (a model of 1B parameters and more) TAKD checkpoints the AdapEmu: the same loss
+    and gradients, with the activations of its layers not kept for backward."""
+    run = _run(demo_dir, model_path=str(tiny_path), teacher_dtype="bf16")
+    models = build_cloud_models(run)
+    assert models.checkpoint and not build_cloud_models(run.replace(teacher_dtype="fp32")).checkpoint
+    examples, _ = public_split(run, models.tokenizer)
+    batch = collate(examples[:2], models.tokenizer.pad_token_id)
+    params = list(gap_parameters(models).values())
+    out, recompute, vocab = {}, models.checkpoint, models.teacher.config.vocab_size
+    for checkpoint in (False, recompute):
+        set_trainable(models.emu, None)
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = None
+        saved = []
+        torch.manual_seed(0)  # LoRA dropout draws the same masks in both
+        with torch.autograd.graph.saved_tensors_hooks(partial(_count, saved, vocab), lambda t: t):
+            with models.autocast():
+                terms = takd_terms(models, batch, run.takd_config, checkpoint)
+        terms["loss"].backward()  # recomputes in fp32 over the bf16 weights, as the forward did
+        out[bool(checkpoint)] = terms["loss"].detach(), [p.grad.clone() for p in params], sum(saved)
+    assert torch.equal(out[True][0], out[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1], strict=True))
+    assert out[True][2] < out[False][2] / 5  # what backward keeps: the layers' inputs, not their activations
+
+
+def _count(saved: list[int], vocab: int, t: torch.Tensor) -> torch.Tensor:
+    """A saved-tensor hook: the bytes of what backward keeps, less the logits' and the LM head's (kept
+    either way)."""
+    saved.append(0 if vocab in t.shape else t.nbytes)
+    return t
