@@ -189,7 +189,12 @@ def dequantize_into(out: Tensor, q: Tensor, scale: Tensor, fmt: str) -> Tensor:
     buffer's page faults cost more than the arithmetic on a small device."""
     r, cols = out.shape
     group = cols if fmt.endswith("-row") else GROUP
-    out.copy_(_unpack_int4(q) if FORMATS[fmt] == 4 else q)
+    if FORMATS[fmt] == 4:  # each nibble straight into its column: no int8 copy of the whole block first
+        signed, pairs = q.view(torch.int8), out.view(r, cols // 2, 2)
+        pairs[..., 0].copy_((signed << 4) >> 4)
+        pairs[..., 1].copy_(signed >> 4)
+    else:
+        out.copy_(q)
     out.view(r, cols // group, group).mul_(scale.float().unsqueeze(-1))
     return out
 
@@ -201,5 +206,6 @@ def _pack_int4(q: Tensor) -> Tensor:
 
 
 def _unpack_int4(packed: Tensor) -> Tensor:
-    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).to(torch.int8)
-    return torch.where(nibbles > 7, nibbles - 16, nibbles)
+    """Two's-complement nibbles, low one first: arithmetic shifts of the byte as int8 sign-extend them."""
+    signed = packed.view(torch.int8)
+    return torch.stack(((signed << 4) >> 4, signed >> 4), dim=-1).reshape(packed.shape[0], -1)
