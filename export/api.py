@@ -1,9 +1,10 @@
-"""``ciders-edge export``: the personalized model as a deployable folder (hf, onnx, optionally int8, or gguf).
+"""``ciders-edge export``: the personalized model as a deployable folder (hf, onnx, genai, gguf or peft).
 
 The model is the AdapEmu or AdapFu (the messenger on the full backbone). The messenger LoRA (the
 state's x_K) and, on the AdapEmu, the learnable backbone's LoRA are merged into dense weights, so the
 folder needs neither PEFT nor this toolkit; ``gguf`` (:mod:`export.gguf`) is for llama.cpp and ollama,
-by default a LoRA adapter for the base GGUF. Before the folder is published, the exported model is run
+by default a LoRA adapter for the base GGUF; ``peft`` (:mod:`export.peft`) is AdapFu's messenger as a PEFT
+LoRA adapter of the base Hugging Face model. Before the folder is published, the exported model is run
 on fixed chats against the unmerged model; the manifest records how closely they agree.
 """
 
@@ -29,6 +30,7 @@ from export.check import all_logits, check_inputs, compare_logits
 from export.genai import check_genai, save_genai
 from export.gguf import gguf_torch_model, plan_gguf, save_gguf
 from export.onnx import save_onnx
+from export.peft import check_peft, peft_model, save_peft
 
 __all__ = ["export_model"]
 
@@ -59,6 +61,8 @@ def export_model(
         b = Bundle.load(bundle)
         backbone = resolve_backbone(b, backbone)
         plan = plan_gguf(b, backbone, merged, quantize, base_gguf) if fmt == "gguf" else None
+        if fmt == "peft":
+            check_peft(backbone)
         if fmt == "genai":
             check_genai(AutoConfig.from_pretrained(b.path), f"{b.path} ({b.manifest['base_model']['id']})")
         quantize = plan.quantize if plan else quantize
@@ -70,17 +74,21 @@ def export_model(
         staging = staging_dir(out)
     try:
         with named_errors(out), stage(f"writing the {fmt} model" + (f" ({quantize})" if quantize != "none" else "")):
-            extra = (
-                {"gguf": save_gguf(edge, plan, staging, source.to_dict(), out.name)}
-                if plan
-                else _save(edge, fmt, quantize, staging)
-            )
+            if plan:
+                extra = {"gguf": save_gguf(edge, plan, staging, source.to_dict(), out.name)}
+            elif fmt == "peft":
+                extra, base = save_peft(edge, staging, b.manifest["base_model"]), edge.model.unload()
+            else:
+                extra = _save(edge, fmt, quantize, staging)
         del edge
         manifest = export_manifest(staging, fmt, quantize, source.to_dict(), extra)
         with stage(f"checking the export against the unmerged {'AdapFu' if backbone == 'full' else 'AdapEmu'}"):
-            exported = (
-                gguf_torch_model(staging, extra["gguf"], config) if plan else Export(staging, manifest).load_model()
-            )
+            if plan:
+                exported = gguf_torch_model(staging, extra["gguf"], config)
+            elif fmt == "peft":  # the adapter, read back by PEFT, over the very base weights it ran on
+                exported = peft_model(staging, base)
+            else:
+                exported = Export(staging, manifest).load_model()
             check = compare_logits(inputs, reference, all_logits(exported, inputs))
         manifest["check"] = check
         with named_errors(out):
@@ -119,7 +127,7 @@ def _save(edge, fmt: str, quantize: str, folder: Path) -> dict:
 def _check_args(fmt: str, quantize: str, out: Path, gguf_options: bool) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if fmt == "hf" and quantize != "none":
+    if fmt in ("hf", "peft") and quantize != "none":
         raise ConfigError("--quantize applies to --format onnx, genai and gguf only")
     if fmt != "gguf" and quantize not in QUANTIZATIONS[fmt]:  # gguf's: export.gguf.plan_gguf
         raise ConfigError(

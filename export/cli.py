@@ -19,7 +19,11 @@ def export_command(
     state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
     format: Annotated[
         str,
-        typer.Option("--format", help="hf (merged transformers folder), onnx, genai (ONNX Runtime GenAI) or gguf."),
+        typer.Option(
+            "--format",
+            help="hf (merged transformers folder), onnx, genai (ONNX Runtime GenAI), gguf, "
+            "or peft (a PEFT LoRA adapter of the base model; --backbone full).",
+        ),
     ] = "hf",
     quantize: Annotated[
         str,
@@ -39,8 +43,9 @@ def export_command(
     base_model: BaseModelOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Merge the personalized messenger (and backbone) LoRA into a standalone model folder (hf, onnx), or write
-    it for llama.cpp and ollama (gguf: a LoRA adapter for the base GGUF, or --merged), with an ollama Modelfile."""
+    """Merge the personalized messenger (and backbone) LoRA into a standalone model folder (hf, onnx, genai), write
+    it for llama.cpp and ollama (gguf: a LoRA adapter for the base GGUF, or --merged) with an ollama Modelfile, or
+    as a PEFT LoRA adapter of the base model (peft)."""
 
     def render(s: dict) -> None:
         c = s["check"]

@@ -27,12 +27,13 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ONNX_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
-FORMATS = ("hf", "onnx", "genai", "gguf")
+FORMATS = ("hf", "onnx", "genai", "gguf", "peft")
 QUANTIZATIONS = {
     "hf": ("none",),
     "onnx": ("none", "int8", "int8-dynamic"),
     "genai": ("none", "int8", "int4"),
     "gguf": ("none", "f16", "q8_0", "q4_0"),  # none: an adapter for an existing base GGUF
+    "peft": ("none",),  # a LoRA adapter of the base model, in fp32
 }
 GGUF_KINDS = ("adapter", "merged")
 
@@ -129,6 +130,12 @@ class Export:
         :class:`~ciders_edge.inference.generation.TokenDecoder` (genai)."""
         if self.format == "gguf":
             raise ExportError(f"{self.path}: a gguf export runs in llama.cpp (--runtime llamacpp)")
+        if self.format == "peft":
+            base = self.manifest.get("peft", {}).get("base_model", "the base model")
+            raise ExportError(
+                f"{self.path}: a PEFT adapter of {base}; load it over that model with "
+                "PeftModel.from_pretrained (its README.md), or export --format hf, genai or gguf to run it here"
+            )
         if self.format == "genai":
             from ciders_edge.inference.genai import GenAIDecoder
 

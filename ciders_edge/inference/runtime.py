@@ -33,7 +33,13 @@ from ciders_edge.progress import console
 __all__ = ["Runtime", "open_runtime", "RUNTIMES"]
 
 RUNTIMES = ("torch", "onnx", "genai", "llamacpp")
-EXPORT_RUNTIME = {"hf": "torch", "onnx": "onnx", "genai": "genai", "gguf": "llamacpp"}  # what runs each format
+EXPORT_RUNTIME = {
+    "hf": "torch",
+    "onnx": "onnx",
+    "genai": "genai",
+    "gguf": "llamacpp",
+    "peft": "torch",
+}  # what runs each
 
 
 @dataclass
