@@ -7,6 +7,7 @@ the previous report (or none) and never a mix of old and new plots.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -15,16 +16,52 @@ from statistics import mean
 from ciders_cloud.run.folder import ReportFolder, StudyFolder
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import fsync_tree, replace_dir, staging_dir
+from ciders_edge.progress import console
 
 __all__ = ["report", "load_metrics"]
 
 
-def load_metrics(run: Path) -> list[dict]:
-    """The records of the study ``run`` (a ``simulate`` output folder)."""
+def load_metrics(run: Path, repair: bool = False) -> list[dict]:
+    """The records of the study ``run`` (a ``simulate`` output folder); a line that is not a record is
+    refused by its number, but for a last line cut short (:func:`_whole_lines`)."""
     path = StudyFolder(run).metrics
     if not path.is_file():
         raise ConfigError(f"{run}: no {path.name} (is it a `ciders-cloud simulate` output folder?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(_whole_lines(path, repair), 1):
+        if line.strip():
+            if (record := _record(line)) is None:
+                raise ConfigError(f"{path}, line {number}: not a JSON record; restore the study's {path.name}")
+            records.append(record)
+    return records
+
+
+def _whole_lines(path: Path, repair: bool) -> list[bytes]:
+    """The file's lines up to its last whole one: a last line cut short (what a crash while a record was
+    appended leaves) is left out, and said so. With ``repair`` it is cut from the file too, so that the
+    records appended next start on a line of their own."""
+    data = path.read_bytes()
+    whole, _, cut = data.rpartition(b"\n")  # cut: what follows the last newline (none when the file ends in one)
+    if cut and _record(cut) is not None:  # a whole record but for its newline
+        whole, cut = data, b""
+        if repair:
+            with path.open("ab") as f:
+                f.write(b"\n")
+    elif cut:
+        lines = whole.splitlines()
+        console.print(f"[yellow]notice:[/] {path}: its last line is cut short (a crash as it was written); "
+                      f"read its {len(lines)} whole lines")  # fmt: skip
+        if repair:
+            os.truncate(path, len(data) - len(cut))
+    return whole.splitlines()
+
+
+def _record(line: bytes) -> dict | None:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and "type" in record else None
 
 
 def _label(run: Path, rows: list[dict]) -> str:

@@ -75,15 +75,25 @@ def resume(out: str | Path, rounds: int | None = None, device: str | torch.devic
 
 def _saved_config(study: StudyFolder) -> SimConfig:
     try:
-        saved = json.loads(study.config.read_text())
+        saved = json.loads(study.config.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{study.root}: no config.json; --resume takes a study `simulate` made") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{study.config}: not the study's config ({_reason(err)}); restore it") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{study.config}: not the study's config (a JSON {type(saved).__name__}); restore it")
     return SimConfig.from_dict(saved, where=str(study.config))
+
+
+def _reason(err: UnicodeDecodeError | json.JSONDecodeError) -> str:
+    if isinstance(err, UnicodeDecodeError):
+        return f"not UTF-8 at byte {err.start}"
+    return f"not JSON: {err.msg} at line {err.lineno}"
 
 
 def _consistent_metrics(study: StudyFolder, done: int) -> list[dict]:
     """The study's records; a round the state committed but the log lacks (stopped in between) is named."""
-    records = load_metrics(study.root)
+    records = load_metrics(study.root, repair=True)  # the rounds run next append after its last whole line
     logged = {r["round"] for r in records if r["type"] == "round"}
     lost = sorted(set(range(done)) - logged)
     if lost:

@@ -97,3 +97,41 @@ def test_a_private_study_resumes_only_as_far_as_its_budget(demo_dir, tmp_path):
     r = runner.invoke(cloud, ["simulate", "--resume", "--out", str(out), "--rounds", "400"])
     assert r.exit_code == 1 and "--rounds 400: the run's privacy budget epsilon 20 allows" in r.stderr, r.stderr
     assert json.loads((out / "config.json").read_text())["rounds"] == 1  # the refused target is not recorded
+
+
+def test_a_metrics_log_cut_by_a_crash_is_read_to_its_last_whole_line_and_resumed(demo_dir, tmp_path, straight):
+    """What a crash while a record was appended leaves: half a line. Resume reads up to the last whole
+    line, says so, cuts the half from the file, and the study ends as the straight run; ``report`` reads it."""
+    out = tmp_path / "sim"
+    simulate(_study(demo_dir, rounds=1), out)
+    log = out / "metrics.jsonl"
+    whole = log.read_bytes()
+    log.write_bytes(whole + whole.splitlines()[-1][:25])
+    r = runner.invoke(cloud, ["report", "--run", str(out), "--out", str(tmp_path / "report")])
+    assert r.exit_code == 0 and "its last line is cut short" in " ".join(r.stderr.split()), r.output
+    assert log.read_bytes().endswith(whole.splitlines()[-1][:25])  # report reads; it does not write
+    r = runner.invoke(cloud, ["simulate", "--resume", "--out", str(out), "--rounds", str(ROUNDS)])
+    assert r.exit_code == 0 and "its last line is cut short" in " ".join(r.stderr.split()), r.output
+    _same_study(out, straight)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (b'{"algorithm": "ciders", "rounds"', "not the study's config (not JSON: "),
+        (b'{"algorithm": "\xff"}', "not the study's config (not UTF-8 at byte 15); restore it"),
+        (b"[1, 2]", "not the study's config (a JSON list); restore it"),
+    ],
+)
+def test_a_damaged_study_is_refused_in_one_line(demo_dir, tmp_path, damage, message):
+    out = tmp_path / "sim"
+    simulate(_study(demo_dir, rounds=1), out)
+    log = (out / "metrics.jsonl").read_bytes()
+    (out / "config.json").write_bytes(damage)
+    r = runner.invoke(cloud, ["simulate", "--resume", "--out", str(out), "--rounds", "2"])
+    assert r.exit_code == 1 and message in " ".join(r.stderr.split()) and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and (out / "metrics.jsonl").read_bytes() == log
+    lines = log.splitlines()
+    (out / "metrics.jsonl").write_bytes(b"\n".join([lines[0], lines[1][:20], *lines[2:]]) + b"\n")
+    r = runner.invoke(cloud, ["report", "--run", str(out), "--out", str(tmp_path / "report")])
+    assert r.exit_code == 1 and "metrics.jsonl, line 2: not a JSON record" in " ".join(r.stderr.split()), r.stderr
