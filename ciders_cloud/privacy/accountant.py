@@ -19,13 +19,12 @@ from dataclasses import asdict, dataclass
 import dp_accounting
 from dp_accounting import rdp
 
-from ciders_cloud.privacy.settings import PrivacySettings
+from ciders_cloud.privacy.settings import MAX_NOISE, MIN_NOISE, PrivacySettings
 from ciders_cloud.round.sampling import sampled_count
 from ciders_edge.errors import ConfigError
 
 __all__ = ["PrivacySpent", "privacy_spent", "solve_noise_multiplier", "epsilon", "dp_event", "max_rounds", "MAX_NOISE"]
 
-MAX_NOISE = 100.0  # beyond z = 100 the noise drowns any displacement: a target needing more is unreachable
 logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting warns for every RDP order it drops
 
 
@@ -100,7 +99,7 @@ def solve_noise_multiplier(dp: PrivacySettings, sampling: str, q: float, populat
         release,
         target,
         delta,
-        dp_accounting.ExplicitBracketInterval(1e-3, MAX_NOISE),
+        dp_accounting.ExplicitBracketInterval(MIN_NOISE, MAX_NOISE),
         tol=1e-4,
     )
     return float(z)

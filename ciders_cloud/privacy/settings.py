@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from ciders_edge.config import ConfigMixin
 from ciders_edge.errors import ConfigError
 
-__all__ = ["PrivacySettings", "SAMPLINGS", "CLIP_SITES"]
+__all__ = ["PrivacySettings", "SAMPLINGS", "CLIP_SITES", "MAX_NOISE", "MIN_NOISE", "MAX_EPSILON"]
 
 SAMPLINGS = ("fixed", "poisson")  # a fixed number of clients per round, or each client with probability q
 CLIP_SITES = ("cloud", "edge")
+MAX_NOISE = 100.0  # beyond z = 100 the noise drowns any displacement: a target needing more is unreachable
+MIN_NOISE = 1e-3  # the least z the accountant solves for: one round at it spends epsilon > 5e5, past any target
+MAX_EPSILON = 1000.0  # an epsilon this large protects nothing: a run that wants it runs without dp
 
 
 @dataclass
@@ -37,12 +40,18 @@ class PrivacySettings(ConfigMixin):
             raise ConfigError(f"`dp.clip` must be a positive number (the L2 bound C), got {self.clip}.")
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise ConfigError("`dp` needs `noise_multiplier`, or `target_epsilon` with `rounds` to solve it from.")
-        if self.noise_multiplier is not None and not 0 <= self.noise_multiplier < math.inf:
-            raise ConfigError(f"`dp.noise_multiplier` must not be negative, got {self.noise_multiplier}.")
+        if self.noise_multiplier is not None and not 0 <= self.noise_multiplier <= MAX_NOISE:
+            raise ConfigError(
+                f"`dp.noise_multiplier` must be in [0, {MAX_NOISE:g}] (beyond, the noise drowns every update), "
+                f"got {self.noise_multiplier:g}."
+            )
         for name in ("target_epsilon", "max_epsilon"):
             value = getattr(self, name)
-            if value is not None and not 0 < value < math.inf:
-                raise ConfigError(f"`dp.{name}` must be a positive number, got {value}.")
+            if value is not None and not 0 < value <= MAX_EPSILON:
+                raise ConfigError(
+                    f"`dp.{name}` must be in (0, {MAX_EPSILON:g}] (an epsilon beyond protects nothing: run without "
+                    f"dp), got {value:g}."
+                )
         if self.delta is not None and not 0 < self.delta < 1:
             raise ConfigError(f"`dp.delta` must be in (0, 1), got {self.delta}.")
         if self.target_epsilon is not None and self.rounds is None:

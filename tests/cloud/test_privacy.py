@@ -4,6 +4,7 @@ the accountant against the library and a published setting, and a private run th
 import json
 import math
 import random
+import re
 
 import dp_accounting
 import pytest
@@ -17,6 +18,7 @@ from ciders_cloud import prepare
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.privacy import BudgetError, GaussianMechanism, PrivacySettings, PrivateRelease, solve_noise_multiplier
 from ciders_cloud.privacy.accountant import epsilon
+from ciders_cloud.privacy.settings import MIN_NOISE
 from ciders_cloud.round.aggregate import aggregate_files, aggregate_packets
 from ciders_cloud.round.sampling import sample_clients
 from ciders_cloud.run.config import load_run
@@ -96,6 +98,8 @@ def test_the_noise_multiplier_is_solved_from_a_target_and_an_unreachable_one_is_
     with pytest.raises(ConfigError, match=r"unreachable in 100000 rounds") as err:
         solve_noise_multiplier(dp.replace(target_epsilon=1e-3, rounds=100_000), "fixed", 1.0, 50)
     assert "\n" not in str(err.value)
+    z = solve_noise_multiplier(dp.replace(target_epsilon=1000.0, rounds=1), "poisson", 1e-6, 10**6)
+    assert MIN_NOISE < z and epsilon(z, 1, 1e-6, "poisson", 1e-6, 10**6) <= 1000.0  # the largest target solves
 
 
 @pytest.mark.parametrize(
@@ -103,7 +107,10 @@ def test_the_noise_multiplier_is_solved_from_a_target_and_an_unreachable_one_is_
     [
         ({"clip": 0.0, "noise_multiplier": 1.0}, "`dp.clip` must be a positive number"),
         ({"clip": -1.0, "noise_multiplier": 1.0}, "`dp.clip` must be a positive number"),
-        ({"clip": 1.0, "noise_multiplier": -0.5}, "`dp.noise_multiplier` must not be negative"),
+        ({"clip": 1.0, "noise_multiplier": -0.5}, "`dp.noise_multiplier` must be in [0, 100]"),
+        ({"clip": 1.0, "noise_multiplier": 1e300}, "`dp.noise_multiplier` must be in [0, 100]"),
+        ({"clip": 1.0, "target_epsilon": 1e300, "rounds": 3}, "`dp.target_epsilon` must be in (0, 1000]"),
+        ({"clip": 1.0, "noise_multiplier": 1.0, "max_epsilon": 1e300}, "`dp.max_epsilon` must be in (0, 1000]"),
         ({"clip": 1.0}, "needs `noise_multiplier`, or `target_epsilon`"),
         ({"clip": 1.0, "target_epsilon": 2.0}, "needs `dp.rounds`"),
         ({"clip": 1.0, "noise_multiplier": 1.0, "delta": 1.5}, "`dp.delta` must be in (0, 1)"),
@@ -111,7 +118,7 @@ def test_the_noise_multiplier_is_solved_from_a_target_and_an_unreachable_one_is_
     ],
 )
 def test_bad_privacy_settings_are_one_line(dp, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
         PrivacySettings.from_dict(dp)
     assert "\n" not in str(err.value)
 
@@ -121,7 +128,11 @@ def test_bad_privacy_settings_are_one_line(dp, message):
     [
         (["--dp-clip", "1", "--dp-noise", "1"], "differential privacy needs the run's clients (--client"),
         (["--client", "a", "--dp-clip", "0", "--dp-noise", "1"], "`dp.clip` must be a positive number"),
-        (["--client", "a", "--dp-clip", "1", "--dp-noise", "-1"], "`dp.noise_multiplier` must not be negative"),
+        (["--client", "a", "--dp-clip", "1", "--dp-noise", "-1"], "`dp.noise_multiplier` must be in [0, 100]"),
+        (
+            ["--client", "a", "--client", "b", "--dp-clip", "1", "--dp-epsilon", "1e300", "--dp-rounds", "3"],
+            "`dp.target_epsilon` must be in (0, 1000]",
+        ),  # fmt: skip
         (
             ["--client", "a", "--client", "b", "--dp-clip", "1", "--dp-epsilon", "1", "--dp-rounds", "100000"],
             "is unreachable in 100000 rounds",
