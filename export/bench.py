@@ -26,6 +26,7 @@ from ciders_edge.config import check_limit
 from ciders_edge.errors import CidersError, ConfigError, ExportError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.export_folder import MANIFEST, Export
+from ciders_edge.inference.llamacpp import llamacpp_available
 from ciders_edge.inference.personalize import Source, personal_messenger, resolve_backbone
 from ciders_edge.profiles import DeviceProfile, load_profile, pick_device
 from export.api import Stage, export_model
@@ -74,6 +75,12 @@ class BenchSettings:
             raise ConfigError(f"--runtimes: unknown {unknown}; choose from {', '.join(RUNTIME_CHOICES)}")
         if self.new_tokens < 2:
             raise ConfigError(f"--new-tokens must be at least 2 (a decode rate needs 2), got {self.new_tokens}")
+        llamacpp = [r for r in self.runtimes if r.startswith("llamacpp")]
+        if llamacpp and not llamacpp_available():  # said before anything is exported for them
+            raise ConfigError(
+                f"--runtimes {', '.join(llamacpp)} need llama-cpp-python: pip install '.[llamacpp]' "
+                "(builds llama.cpp, ~5 min), or leave them out"
+            )
         for key in ("new_tokens", "repeats", "train_steps"):
             check_limit(key, getattr(self, key), "--" + key.replace("_", "-"))
 

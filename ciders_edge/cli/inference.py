@@ -69,8 +69,10 @@ def infer(
         from ciders_edge.inference.runtime import open_runtime
 
         chosen, made = export, None
-        if runtime is None and export is None and bundle is not None and _on_cpu(prof):  # the fastest installed
-            chosen, made = _default_export(bundle, state, use_global, backbone, base_model)
+        if export is None and bundle is not None and (runtime == "genai" or (runtime is None and _on_cpu(prof))):
+            chosen, made = _default_export(bundle, state, use_global, backbone, base_model)  # the fastest installed
+            if chosen is None and runtime == "genai":
+                raise ConfigError("--runtime genai from a bundle needs the exporter (the toolkit's `export` package)")
         with status("loading the model"):
             rt = open_runtime(
                 runtime,

@@ -38,6 +38,11 @@ def check_weights(path: Path, manifest: dict) -> None:
     """Raise a one-line :class:`BundleError` naming the file and tensor that loading would trip on.
     ``manifest`` has passed ``validate_manifest`` and every file its checksum."""
     storage = manifest.get("storage") if manifest["format_version"] >= 2 else None
+    if storage is not None and storage.get("group") != GROUP:  # every reader splits rows in groups of GROUP
+        raise BundleError(
+            f"{path / 'manifest.json'}: storage group {storage.get('group')!r} is not {GROUP}, the group of every "
+            "quantized weight this toolkit writes and reads"
+        )
     for rel in sorted(r for r in manifest["files"] if r.endswith(".safetensors")):
         where = path / rel
         record = storage["tensors"].get(rel) if storage else None

@@ -64,6 +64,15 @@ def _storage_renamed(fmt):
     return edit
 
 
+def _group(value):
+    def edit(bundle):
+        m = json.loads((bundle / MANIFEST).read_text())
+        m["storage"]["group"] = value
+        (bundle / MANIFEST).write_text(json.dumps(m))
+
+    return edit
+
+
 def _config(**changes):
     def edit(bundle):
         config = json.loads((bundle / "config.json").read_text())
@@ -85,6 +94,8 @@ CASES = [
     ("int8", _rename(MESSENGER, DOWN, "int8-row"), f"{MESSENGER}: tensor {DOWN}: integers (64, 128) I8 and scales"),
     ("int8", _storage_renamed("int4"), "which int4 storage never writes"),
     ("int4", _storage_renamed("int8"), "is recorded as int4-g32, which int8 storage never writes"),
+    *[(s, _group(16), "manifest.json: storage group 16 is not 32, the group of every quantized weight")
+      for s in ("int8", "int4")],
     ("int8", _config(num_hidden_layers=6), "config.json: num_hidden_layers is 6, the manifest's split gives 5"),
     ("int4", _config(hidden_size=32), f"backbone.safetensors: tensor {EMBED} has shape (49152, 64), its config.json"),
 ]  # fmt: skip

@@ -260,6 +260,16 @@ def test_cli_bench_measures_each_runtime(trained, tmp_path):
     assert r.exit_code == 1 and "unknown ['tensorflow']" in r.output
 
 
+def test_bench_says_llama_cpp_is_missing_before_it_exports_anything(trained, monkeypatch, tmp_path):
+    import export.bench
+
+    monkeypatch.setattr(export.bench, "llamacpp_available", lambda: False)
+    args = ["bench", "--bundle", str(trained[0]), "--runtimes", "torch,llamacpp-q8_0", "--exports", str(tmp_path / "x")]
+    r = runner.invoke(edge_app, args)
+    assert r.exit_code == 1 and "--runtimes llamacpp-q8_0 need llama-cpp-python" in " ".join(r.stderr.split())
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
 def test_merge_messenger_equals_live_lora(trained, reference):
     bundle, state = trained
     edge, _ = load_personalized(Bundle.load(bundle), state)

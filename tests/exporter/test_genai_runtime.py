@@ -123,6 +123,10 @@ def test_infer_from_a_bundle_runs_a_genai_int8_export_made_once(trained, demo_di
     assert Export.load(folder).source["client_id"] == "g1" and first["text"] == again["text"]
     r = runner.invoke(edge_app, [*args, "--runtime", "torch"])
     assert r.exit_code == 0 and json.loads(r.stdout.strip().splitlines()[-1])["runtime"] == "torch"
+    r = runner.invoke(edge_app, [*args, "--runtime", "genai"])  # named, as said nothing: the same export
+    assert r.exit_code == 0, r.output
+    named = json.loads(r.stdout.strip().splitlines()[-1])
+    assert named["runtime"] == "genai-int8" and named["export"] == {"path": folder, "made_now": False}
     glob = runner.invoke(edge_app, [a for a in args if a != str(state) and a != "--state"] + ["--global"])
     assert json.loads(glob.stdout.strip().splitlines()[-1])["export"]["path"] != folder  # another messenger
 
