@@ -24,6 +24,7 @@ from ciders_edge.formats.client_state import CURRENT, PERSONALIZED_FILE
 from ciders_edge.formats.export_folder import MANIFEST
 from ciders_edge.inference.personalize import resolve_backbone
 from ciders_edge.model.sources import ciders_home
+from ciders_edge.progress import console
 from export.api import Stage, export_model
 
 __all__ = ["DEFAULT_FORMAT", "DEFAULT_QUANTIZE", "KEEP", "default_export", "exports_root"]
@@ -45,14 +46,20 @@ def default_export(
     backbone: str | None,
     base_model: str | Path | None,
     stage: Stage,
+    rebuild: bool = False,
 ) -> tuple[Path, bool]:
-    """The cached GenAI int8 export of this model, made now if missing; ``(folder, made_now)``."""
+    """The cached GenAI int8 export of this model, made now if missing (or ``rebuild``: it failed its
+    check); ``(folder, made_now)``. An entry without its manifest (a deleted or half-removed one) is made again."""
     b = Bundle.load(bundle)
     backbone = resolve_backbone(b, backbone)
     folder = exports_root() / _key(b, state, use_global, backbone, base_model)
-    if (folder / MANIFEST).is_file():
+    if (folder / MANIFEST).is_file() and not rebuild:
         os.utime(folder)  # most recently used
         return folder, False
+    if folder.exists():  # the cache's own entry, damaged: never a user's folder
+        if not rebuild:
+            console.print(f"[yellow]notice:[/] {folder}: a cached export without its {MANIFEST}; made again")
+        shutil.rmtree(folder)
     export_model(b.path, state, DEFAULT_FORMAT, folder, DEFAULT_QUANTIZE, use_global, stage, backbone, base_model)
     _prune(folder)
     return folder, True

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import statistics
 import sys
+from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, FrozenOpt, JsonOpt, key_table, print_table, run_command
 from ciders_edge.config import check_limit
 from ciders_edge.data.records import read_jsonl
-from ciders_edge.errors import ConfigError
+from ciders_edge.errors import ConfigError, ExportError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.profiles import keeps_quantized, load_profile
 from ciders_edge.progress import LazyBar, console, status
@@ -66,25 +68,8 @@ def infer(
         settings = GenerationSettings.from_dict(flags, where="flags")  # NaN, inf and huge counts refused
         prof = load_profile(profile) if profile else None
         from ciders_edge.inference.infer import answer, answer_file  # torch and transformers: past the checks
-        from ciders_edge.inference.runtime import open_runtime
 
-        chosen, made = export, None
-        if export is None and bundle is not None and (runtime == "genai" or (runtime is None and _on_cpu(prof))):
-            chosen, made = _default_export(bundle, state, use_global, backbone, base_model)  # the fastest installed
-            if chosen is None and runtime == "genai":
-                raise ConfigError("--runtime genai from a bundle needs the exporter (the toolkit's `export` package)")
-        with status("loading the model"):
-            rt = open_runtime(
-                runtime,
-                bundle=bundle,
-                state=state,
-                export=chosen,
-                use_global=use_global,
-                profile=prof,
-                backbone=backbone,
-                base_model=base_model,
-                frozen_weights=frozen_weights,
-            )
+        rt, chosen, made = _open(runtime, export, bundle, state, use_global, prof, backbone, base_model, frozen_weights)
         summary = {"runtime": rt.name, "providers": rt.providers, "source": rt.source}
         if chosen is not export:
             summary["export"] = {"path": str(chosen), "made_now": made}
@@ -116,11 +101,36 @@ def infer(
     run_command(body, as_json, render)
 
 
-def _default_export(bundle, state, use_global, backbone, base_model) -> tuple[Path | None, bool | None]:
+def _open(runtime, export, bundle, state, use_global, prof, backbone, base_model, frozen_weights):
+    """The runtime ``infer`` answers in, with the export it runs (``(runtime, export, made_now)``): the one
+    named; from a bundle on a CPU, or with ``--runtime genai``, the cached GenAI export, made on first use
+    and made again when the cached one fails its check (a damaged cache entry must not fail every call)."""
+    from ciders_edge.inference.runtime import open_runtime
+
+    kw = {"bundle": bundle, "state": state, "use_global": use_global, "profile": prof, "backbone": backbone}
+    open_ = partial(open_runtime, runtime, base_model=base_model, frozen_weights=frozen_weights, **kw)
+    chosen, made = export, None
+    if export is None and bundle is not None and (runtime == "genai" or (runtime is None and _on_cpu(prof))):
+        chosen, made = _default_export(bundle, state, use_global, backbone, base_model)  # the fastest installed
+        if chosen is None and runtime == "genai":
+            raise ConfigError("--runtime genai from a bundle needs the exporter (the toolkit's `export` package)")
+    try:
+        with status("loading the model"):
+            return open_(export=chosen), chosen, made
+    except ExportError as err:
+        if made is not False:  # not a cache entry made earlier: the user's export, or one just made
+            raise
+        console.print(f"[yellow]notice:[/] {escape(str(err))}; the cached export is made again", soft_wrap=True)
+    chosen, made = _default_export(bundle, state, use_global, backbone, base_model, rebuild=True)
+    with status("loading the model"):
+        return open_(export=chosen), chosen, made
+
+
+def _default_export(bundle, state, use_global, backbone, base_model, rebuild=False) -> tuple[Path | None, bool | None]:
     """The exporter's cached GenAI int8 export of this model, made on first use (``export/cache.py``, found
     by entry point: this runtime never imports the exporter); ``(None, None)`` without it: torch answers."""
     for ep in entry_points(group="ciders_edge.exporters", name="default"):
-        return ep.load()(bundle, state, use_global, backbone, base_model, status)
+        return ep.load()(bundle, state, use_global, backbone, base_model, status, rebuild=rebuild)
     return None, None
 
 

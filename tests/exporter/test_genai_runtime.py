@@ -3,6 +3,7 @@ as torch, stopping at the end of turn, min_new_tokens, seeded sampling, and bad 
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,6 +140,42 @@ def test_infer_from_a_bundle_runs_a_genai_int8_export_made_once(trained, demo_di
     assert len(list((tmp_path / "exports").iterdir())) == 2  # the same export as infer's, none made again
     r = runner.invoke(edge_app, [*scored, "--runtime", "llamacpp"])
     assert r.exit_code == 1 and "--runtime for evaluate is genai" in r.output
+
+
+def test_a_damaged_cache_entry_is_made_again_not_failed_for_good(trained, tmp_path, monkeypatch):
+    """A flipped byte in a cached export, or its manifest deleted: the next infer says so in one notice,
+    exports again and answers; the one after finds the entry whole."""
+    from export import cache
+
+    monkeypatch.setattr(cache, "exports_root", lambda: tmp_path / "exports")
+    bundle, state = trained
+    args = ["infer", "--bundle", str(bundle), "--state", str(state), "--backbone", "emu", "--prompt", "hi"]
+    args += ["--max-new-tokens", "3", "--json"]
+    first = json.loads(runner.invoke(edge_app, args).stdout.strip().splitlines()[-1])
+    folder = Path(first["export"]["path"])
+    for harm, said in (
+        (_flip_a_byte, "the cached export is made again"),
+        (_drop_manifest, "without its manifest.json"),
+    ):
+        harm(folder)
+        r = runner.invoke(edge_app, args)
+        notice = " ".join(r.stderr.split())
+        assert r.exit_code == 0 and said in notice and "Traceback" not in r.output, (said, r.output)
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["export"] == {"path": str(folder), "made_now": True} and out["text"] == first["text"]
+    again = json.loads(runner.invoke(edge_app, args).stdout.strip().splitlines()[-1])
+    assert again["export"]["made_now"] is False
+
+
+def _flip_a_byte(folder: Path) -> None:
+    weights = max((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+
+def _drop_manifest(folder: Path) -> None:
+    (folder / MANIFEST).unlink()
 
 
 def test_stops_at_the_end_of_turn_and_honours_min_new_tokens(genai, tmp_path):
