@@ -75,12 +75,8 @@ class BenchSettings:
             raise ConfigError(f"--runtimes: unknown {unknown}; choose from {', '.join(RUNTIME_CHOICES)}")
         if self.new_tokens < 2:
             raise ConfigError(f"--new-tokens must be at least 2 (a decode rate needs 2), got {self.new_tokens}")
-        llamacpp = [r for r in self.runtimes if r.startswith("llamacpp")]
-        if llamacpp and not llamacpp_available():  # said before anything is exported for them
-            raise ConfigError(
-                f"--runtimes {', '.join(llamacpp)} need llama-cpp-python: pip install '.[llamacpp]' "
-                "(builds llama.cpp, ~5 min), or leave them out"
-            )
+        if (llamacpp := [r for r in self.runtimes if r.startswith("llamacpp")]) and not llamacpp_available():
+            raise ConfigError(f"--runtimes {', '.join(llamacpp)} need llama-cpp-python: pip install '.[llamacpp]'")
         for key in ("new_tokens", "repeats", "train_steps"):
             check_limit(key, getattr(self, key), "--" + key.replace("_", "-"))
 
@@ -161,15 +157,8 @@ def _measure_side_by_side(targets: dict, subject: Subject, prof, settings: Bench
             conn.send("stop")
             peak = _reply(name, proc, conn)
             gens = runs[name]
-            rows.append(
-                {
-                    "runtime": name,
-                    **info,
-                    "first_token_s": statistics.median(g["first_token_s"] for g in gens),
-                    "decode_tokens_per_s": statistics.median(g["decode_tokens_per_s"] for g in gens),
-                    "peak_rss_mib": peak,
-                }
-            )
+            medians = {k: statistics.median(g[k] for g in gens) for k in ("first_token_s", "decode_tokens_per_s")}
+            rows.append({"runtime": name, **info, **medians, "peak_rss_mib": peak})
         return rows
     finally:
         for _name, proc, _conn, _info in workers:
