@@ -63,6 +63,7 @@ class DeviceProfile(ConfigMixin):
     # block inside each matmul) | dequantized (into `dtype` once, at load: 4 or 2 bytes a weight, a little faster)
     frozen_weights: str = "quantized"
     gradient_checkpointing: bool = False  # keep only each trained messenger layer's input; recompute in backward
+    return_freed_memory: bool = False  # glibc gives freed blocks back (ciders_edge/allocator.py): less memory, more CPU
     memory_budget_gb: float = 8.0  # memory the toolkit may use on the device
     messenger_depth: int = 6
     drop_ratio: float = 0.2

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ciders_edge.allocator import return_freed_memory
 from ciders_edge.data.records import Example, load_examples
 from ciders_edge.errors import ConfigError, PacketError, StateError
 from ciders_edge.formats.bundle import Bundle
@@ -212,6 +213,8 @@ def load_round(
     own = prof or profile_for(None, b.manifest["profile"])
     checkpoint = own.gradient_checkpointing if memory.gradient_checkpointing is None else memory.gradient_checkpointing
     _check_fits(b, own, hp, quantized, checkpoint)
+    if own.return_freed_memory:
+        return_freed_memory()
     edge = load_edge_model(b, prof.torch_dtype if prof else None, live_backbone or hp.grad_y_in_packet, quantized)
     edge.checkpoint = checkpoint
     edge.model.to(pick_device(prof))
