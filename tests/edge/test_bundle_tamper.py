@@ -55,19 +55,12 @@ def _cut_half(bundle):
     (bundle / MESSENGER).write_bytes(data[: len(data) // 2])
 
 
-def _storage_renamed(fmt):
+def _storage(key, value):
+    """The manifest's storage record with ``key`` set to ``value``."""
+
     def edit(bundle):
         m = json.loads((bundle / MANIFEST).read_text())
-        m["storage"]["format"] = fmt
-        (bundle / MANIFEST).write_text(json.dumps(m))
-
-    return edit
-
-
-def _group(value):
-    def edit(bundle):
-        m = json.loads((bundle / MANIFEST).read_text())
-        m["storage"]["group"] = value
+        m["storage"][key] = value
         (bundle / MANIFEST).write_text(json.dumps(m))
 
     return edit
@@ -92,9 +85,9 @@ CASES = [
     ("int4", _rename(MESSENGER, DOWN, "int8-g32"), "which int4 storage never writes"),
     ("int8", _rename("backbone.safetensors", EMBED, "int8-g32"), f"tensor {EMBED}: integers (49152, 64) I8 and scales"),
     ("int8", _rename(MESSENGER, DOWN, "int8-row"), f"{MESSENGER}: tensor {DOWN}: integers (64, 128) I8 and scales"),
-    ("int8", _storage_renamed("int4"), "which int4 storage never writes"),
-    ("int4", _storage_renamed("int8"), "is recorded as int4-g32, which int8 storage never writes"),
-    *[(s, _group(16), "manifest.json: storage group 16 is not 32, the group of every quantized weight")
+    ("int8", _storage("format", "int4"), "which int4 storage never writes"),
+    ("int4", _storage("format", "int8"), "is recorded as int4-g32, which int8 storage never writes"),
+    *[(s, _storage("group", 16), "manifest.json: storage group 16 is not 32, the group of every quantized weight")
       for s in ("int8", "int4")],
     ("int8", _config(num_hidden_layers=6), "config.json: num_hidden_layers is 6, the manifest's split gives 5"),
     ("int4", _config(hidden_size=32), f"backbone.safetensors: tensor {EMBED} has shape (49152, 64), its config.json"),
