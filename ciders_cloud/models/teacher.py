@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ciders_cloud.models.backbones import unpack
-from ciders_cloud.models.device import CPU, WidenBf16, autocast, to_cpu
+from ciders_cloud.models.device import CPU, autocast, to_cpu
 from ciders_cloud.models.layers import gap_layers, messenger_offset, split_for
 from ciders_cloud.models.source import DTYPES, load_teacher, teacher_dtype
 from ciders_cloud.run.config import RunConfig, backbone_name
@@ -65,11 +65,8 @@ class CloudModels:
     def checkpoint(self) -> Recompute:
         """Whether TAKD recomputes the AdapEmu's activations in backward instead of keeping them: for a
         model held in bf16 (``teacher_dtype``, 1B parameters and more), where they are gigabytes (the
-        same numbers either way). On the CPU the recomputation widens bf16 weights as the forward did
-        (checkpointing restores CUDA's autocast by itself, not a torch function mode)."""
-        if self.teacher.dtype == torch.float32:
-            return False
-        return WidenBf16 if self.device.type == "cpu" else True
+        same numbers either way). The recomputation runs in :meth:`autocast`, as the forward did."""
+        return self.autocast if self.teacher.dtype != torch.float32 else False
 
     def changed_layers(self) -> dict[str, torch.Tensor]:
         """The AdapEmu base weights that differ from the source layers they were copied from (prepare's
