@@ -77,11 +77,20 @@ class SmolLM2Vocab:
                 "its vocabulary; export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py"
             )
 
-    def add_to(self, writer: gguf.GGUFWriter) -> None:
+    def add_to(self, writer: gguf.GGUFWriter, n_vocab: int) -> None:
+        """Write the tokenizer keys for a model of ``n_vocab`` embedding rows: ids past the tokenizer's
+        get ``[PAD<i>]`` tokens of type UNUSED, as ``convert_hf_to_gguf.py`` writes them (Qwen's configs
+        have more rows than tokens; llama.cpp refuses a GGUF whose token list is shorter than its embedding)."""
+        pad = max(n_vocab - len(self.tokens), 0)
+        padding = {
+            "tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(len(self.tokens), n_vocab)],
+            "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * pad,
+        }
         for key, f in self.fields.items():
             kind = f.types[0]
             sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, f.contents(), kind, sub)
+            value = f.contents() + padding[key] if key in padding else f.contents()
+            writer.add_key_value(key, value, kind, sub)
 
 
 def gguf_name(hf_name: str, n_layers: int, arch: gguf.MODEL_ARCH = gguf.MODEL_ARCH.LLAMA) -> str:
@@ -151,7 +160,7 @@ def write_model(
     write_hparams(writer, config, arch)
     writer.add_file_type(ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    vocab.add_to(writer)
+    vocab.add_to(writer, config.vocab_size)
     kinds: dict[str, int] = {}
     for hf_name, t in state.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:

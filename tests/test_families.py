@@ -223,6 +223,25 @@ def test_llama_cpp_runs_a_mistral_without_a_window(llama_cpp, family_path, tmp_p
     assert float((llama_logits(ids, tmp_path / "m.gguf") - ref).abs().max()) < 5e-3
 
 
+def test_llama_cpp_loads_a_model_with_more_embedding_rows_than_tokens(llama_cpp, family_path, tmp_path):
+    """Qwen's configs have more rows than their tokenizer has tokens (151,936 for 151,665): the GGUF pads the
+    token list with unused [PAD<i>] tokens, as llama.cpp's converter does, or llama.cpp refuses the file."""
+    import gguf
+
+    from export.gguf_tensors import SmolLM2Vocab, write_model
+
+    model = load_model(family_path("qwen2")).eval()
+    tokens = model.config.vocab_size
+    model.resize_token_embeddings(tokens + 64)
+    write_model(tmp_path / "q.gguf", model.state_dict(), model.config, SmolLM2Vocab.of(smollm2_gguf()), "f16", "q", {})
+    field = gguf.GGUFReader(tmp_path / "q.gguf").fields["tokenizer.ggml.tokens"]
+    assert len(field.data) == tokens + 64 and field.contents()[-1] == f"[PAD{tokens + 63}]"
+    ids = check_inputs(load_tokenizer(family_path("qwen2")))[0][0].tolist()
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0]
+    assert float((llama_logits(ids, tmp_path / "q.gguf") - ref).abs().max()) < 5e-3
+
+
 def _config(bundle, backbone: str):
     """The transformers config of the exported model: the AdapEmu's, or the full model's."""
     from transformers import AutoConfig
