@@ -165,7 +165,7 @@ def decode(bundle: Path, profile, requested: str, args, size: dict) -> dict:
     from ciders_edge.inference.runtime import open_runtime
     from export.bench import PROMPT
 
-    rt = open_runtime("torch", bundle=bundle, use_global=True, profile=profile, decode=requested)
+    rt = open_runtime("torch", bundle=bundle, messenger="global", profile=profile, decode=requested)
     if rt.decode == "compiled" and args.compile_backend != "inductor":
         use_compiled_decode(rt.model, args.compile_backend)
     n = size["new_tokens"]

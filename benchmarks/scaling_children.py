@@ -121,6 +121,7 @@ def train(spec: dict) -> dict:
         on_step=lambda _metrics: stamps.append(time.perf_counter()),
         frozen_weights=spec["frozen_weights"],
         gradient_checkpointing=spec["checkpointing"],
+        val_fraction=spec.get("val_fraction", 0.0),  # the local steps alone, as the rows measured before validation
     )
     with tempfile.TemporaryDirectory(prefix="ciders-scaling-") as tmp:
         out = train(spec["bundle"], spec["data"], Path(tmp) / "state", spec["packet"], options)
@@ -206,7 +207,7 @@ def decode(spec: dict) -> dict:
     exports, rows = Path(spec["exports"]), {}
     for name in spec["runtimes"]:
         fmt, quantize, merged = RUNTIME_CHOICES[name]
-        kwargs = {"use_global": True, "backbone": "full", "base_model": spec["base_model"], "merged": merged}
+        kwargs = {"messenger": "global", "backbone": "full", "base_model": spec["base_model"], "merged": merged}
         try:
             made = export_model(spec["bundle"], None, fmt, exports / name, quantize, **kwargs)
             rows[name] = {"export_bytes": made["bytes"], "export_s": made["seconds"]}

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from ciders_edge.errors import CidersError
+from ciders_edge.errors import CidersError, ConfigError
 from ciders_edge.progress import console
 
 __all__ = [
@@ -30,6 +30,9 @@ __all__ = [
     "JsonOpt",
     "BackboneOpt",
     "BaseModelOpt",
+    "MessengerOpt",
+    "GlobalOpt",
+    "messenger_choice",
 ]
 
 FILE_ERRNOS = frozenset(
@@ -56,6 +59,26 @@ BaseModelOpt = Annotated[
     str | None,
     typer.Option(help="With --backbone full: a local copy of the base model (checked against the bundle's hash)."),
 ]
+
+MessengerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="best (what the state's validation chose; the default), latest (its last personalized one) or global "
+        "(the bundle's).",
+        show_default=False,
+    ),
+]
+GlobalOpt = Annotated[bool, typer.Option("--global", help="The bundle's global messenger: --messenger global.")]
+
+
+def messenger_choice(messenger: str | None, use_global: bool) -> str:
+    """``--messenger`` (default ``best``), with ``--global`` its shorthand for ``global``."""
+    if use_global and messenger not in (None, "global"):
+        raise ConfigError(f"--global and --messenger {messenger} disagree; pass one")
+    choice = "global" if use_global else messenger or "best"
+    if choice not in ("best", "latest", "global"):
+        raise ConfigError(f"--messenger must be one of best, latest, global; got {choice!r}")
+    return choice
 
 
 def quiet_libraries() -> None:

@@ -43,7 +43,7 @@ def export_model(
     fmt: str,
     out: str | Path,
     quantize: str = "none",
-    use_global: bool = False,
+    messenger: str = "best",
     stage: Stage = lambda _: nullcontext(),
     backbone: str | None = None,
     base_model: str | Path | None = None,
@@ -52,6 +52,7 @@ def export_model(
 ) -> dict:
     """Write the export folder ``out`` atomically and return a summary (sizes, agreement, source).
 
+    ``messenger``: the state's ``best`` (its validation's choice), ``latest``, or the bundle's ``global``.
     ``backbone``: ``emu`` (the AdapEmu) or ``full`` (AdapFu); default, what the bundle deploys.
     ``merged``, ``base_gguf``: gguf only (:func:`export.gguf.plan_gguf`)."""
     out = Path(out)
@@ -66,7 +67,7 @@ def export_model(
         if fmt == "genai":
             check_genai(AutoConfig.from_pretrained(b.path), f"{b.path} ({b.manifest['base_model']['id']})")
         quantize = plan.quantize if plan else quantize
-        edge, source = load_personalized(b, state, use_global, torch.float32, backbone, base_model)
+        edge, source = load_personalized(b, state, messenger, torch.float32, backbone, base_model)
         inputs = check_inputs(edge.tokenizer)
         reference = all_logits(edge.model, inputs)  # the unmerged model, LoRA live
         config = edge.model.get_base_model().config  # what a GGUF is read back as

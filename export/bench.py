@@ -56,10 +56,7 @@ class Subject:
     state: str | None
     backbone: str  # emu | full
     base_model: str | None = None
-
-    @property
-    def use_global(self) -> bool:
-        return self.state is None
+    messenger: str = "best"  # best | latest | global (without a state: global)
 
 
 @dataclass
@@ -90,6 +87,7 @@ def bench(
     stage: Stage = lambda _: nullcontext(),
     backbone: str | None = None,
     base_model: str | None = None,
+    messenger: str = "best",
 ) -> dict:
     """Measure every runtime and the training step; returns rows (one per runtime) and the step.
 
@@ -97,9 +95,9 @@ def bench(
     (the training step always runs on the AdapEmu, where edges train).
     """
     b = Bundle.load(bundle)  # verified once here; the workers load it again in their own processes
-    subject = Subject(str(bundle), str(state) if state else None, resolve_backbone(b, backbone), base_model)
+    messenger = "global" if state is None else messenger
+    subject = Subject(str(bundle), str(state) if state else None, resolve_backbone(b, backbone), base_model, messenger)
     prof = load_profile(profile) if profile else DeviceProfile.from_dict(b.manifest["profile"])
-    messenger = "global" if subject.use_global else "personalized"
     _, source = personal_messenger(b, state, messenger, subject.backbone)
     with tempfile.TemporaryDirectory(prefix="ciders-bench-") as tmp:
         root = Path(exports) if exports is not None else Path(tmp)
@@ -123,6 +121,7 @@ def bench(
         "bundle": str(bundle),
         "profile": prof.name,
         "messenger": messenger,
+        "source": source.to_dict(),  # which messenger that is, and why (best: the state's validation)
         "backbone": subject.backbone,
         "new_tokens": settings.new_tokens,
         "repeats": settings.repeats,
@@ -208,7 +207,7 @@ def _load_runtime(name, subject: Subject, export, prof: DeviceProfile, settings:
             "torch",
             bundle=subject.bundle,
             state=subject.state,
-            use_global=subject.use_global,
+            messenger=subject.messenger,
             profile=prof,
             backbone=subject.backbone,
             base_model=subject.base_model,
@@ -253,7 +252,7 @@ def _export_for(name: str, source: Source, subject: Subject, folder: Path, stage
             fmt,
             folder,
             quantize,
-            use_global=subject.use_global,
+            messenger=subject.messenger,
             backbone=subject.backbone,
             base_model=subject.base_model,
             merged=merged,

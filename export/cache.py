@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.checksums import sha256_file
-from ciders_edge.formats.client_state import CURRENT, PERSONALIZED_FILE
+from ciders_edge.formats.client_state import BEST_FILE, CURRENT, PERSONALIZED_FILE
 from ciders_edge.formats.export_folder import MANIFEST
 from ciders_edge.inference.personalize import resolve_backbone
 from ciders_edge.model.sources import ciders_home
@@ -42,7 +42,7 @@ def exports_root() -> Path:
 def default_export(
     bundle: str | Path,
     state: str | Path | None,
-    use_global: bool,
+    messenger: str,
     backbone: str | None,
     base_model: str | Path | None,
     stage: Stage,
@@ -52,7 +52,7 @@ def default_export(
     check); ``(folder, made_now)``. An entry without its manifest (a deleted or half-removed one) is made again."""
     b = Bundle.load(bundle)
     backbone = resolve_backbone(b, backbone)
-    folder = exports_root() / _key(b, state, use_global, backbone, base_model)
+    folder = exports_root() / _key(b, state, messenger, backbone, base_model)
     if (folder / MANIFEST).is_file() and not rebuild:
         os.utime(folder)  # most recently used
         return folder, False
@@ -60,14 +60,18 @@ def default_export(
         if not rebuild:
             console.print(f"[yellow]notice:[/] {folder}: a cached export without its {MANIFEST}; made again")
         shutil.rmtree(folder)
-    export_model(b.path, state, DEFAULT_FORMAT, folder, DEFAULT_QUANTIZE, use_global, stage, backbone, base_model)
+    export_model(b.path, state, DEFAULT_FORMAT, folder, DEFAULT_QUANTIZE, messenger, stage, backbone, base_model)
     _prune(folder)
     return folder, True
 
 
-def _key(b: Bundle, state: str | Path | None, use_global: bool, backbone: str, base_model) -> str:
-    """A name for the model: what the export is made from, hashed."""
-    messenger = "global" if use_global or state is None else _file_digest(Path(state) / CURRENT / PERSONALIZED_FILE)
+def _key(b: Bundle, state: str | Path | None, messenger: str, backbone: str, base_model) -> str:
+    """A name for the model: what the export is made from, hashed (the best messenger by its file's
+    digest: it changes when a round's validation chooses another)."""
+    if messenger != "global" and state is not None:
+        best = Path(state) / CURRENT / BEST_FILE
+        chosen = best if messenger == "best" and best.is_file() else Path(state) / CURRENT / PERSONALIZED_FILE
+        messenger = f"{messenger}:{_file_digest(chosen)}"
     what = {
         "v": KEY_VERSION,
         "bundle": b.bundle_id,

@@ -6,8 +6,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
-from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, JsonOpt, key_table, print_table, run_command
+from ciders_edge.cli_utils import (
+    BackboneOpt,
+    BaseModelOpt,
+    GlobalOpt,
+    JsonOpt,
+    MessengerOpt,
+    key_table,
+    messenger_choice,
+    print_table,
+    run_command,
+)
 from ciders_edge.progress import console, status
 
 __all__ = ["export_command", "bench_command"]
@@ -32,7 +43,8 @@ def export_command(
             "gguf: f16, q8_0 (default), q4_0."
         ),
     ] = "none",
-    use_global: Annotated[bool, typer.Option("--global", help="Export the bundle's global messenger.")] = False,
+    messenger: MessengerOpt = None,
+    use_global: GlobalOpt = False,
     merged: Annotated[
         bool, typer.Option("--merged", help="gguf: the whole model in one GGUF, not a LoRA adapter for the base GGUF.")
     ] = False,
@@ -55,16 +67,34 @@ def export_command(
             f"max |Δlogit| {c['max_abs_logit_diff']:.2e}, "
             f"greedy agreement {c['greedy_agreement']:.1%} of {c['positions']} positions"
         )
+        console.print(f"  messenger: {escape(_messenger(s['source']))}", soft_wrap=True)
 
     from export.api import export_model  # the model stack loads for this command only, not for every `ciders-edge`
 
     run_command(
         lambda: export_model(
-            bundle, state, format, out, quantize, use_global, status, backbone, base_model, merged, base_gguf
+            bundle,
+            state,
+            format,
+            out,
+            quantize,
+            messenger_choice(messenger, use_global),
+            status,
+            backbone,
+            base_model,
+            merged,
+            base_gguf,
         ),
         as_json,
         render,
     )
+
+
+def _messenger(source: dict) -> str:
+    """Which messenger a summary's model runs, and why (the best: what the state's validation chose)."""
+    from ciders_edge.inference.personalize import Source  # torch: the command has loaded it already
+
+    return Source.from_dict(source).describe()
 
 
 def _model_name(s: dict) -> str:
@@ -89,6 +119,7 @@ def bench_command(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of decode speed and memory per runtime.")] = None,
     backbone: BackboneOpt = None,
     base_model: BaseModelOpt = None,
+    messenger: MessengerOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Decode tokens/s, first-token latency, peak memory and size per runtime; the training step time."""
@@ -100,7 +131,8 @@ def bench_command(
         settings = BenchSettings(
             tuple(r.strip() for r in runtimes.split(",") if r.strip()), new_tokens, repeats, train_steps
         )
-        result = bench(bundle, state, profile, settings, exports, status, backbone, base_model)
+        chosen = messenger_choice(messenger, False)
+        result = bench(bundle, state, profile, settings, exports, status, backbone, base_model, chosen)
         if plot is not None:
             plot_bench(result, plot)
             result["plot"] = str(plot)
@@ -112,6 +144,8 @@ def bench_command(
 def _render_bench(s: dict) -> None:
     model = "AdapFu" if s.get("backbone") == "full" else "AdapEmu"
     title = f"{s['bundle']}: {model}, {s['messenger']} messenger, profile {s['profile']}"
+    if "source" in s:
+        console.print(f"messenger: {escape(_messenger(s['source']))}", soft_wrap=True)
     header = ("runtime", "MiB", "load s", "TTFT ms", "tok/s", "×torch", "RSS MiB", "agree")
     console.print(f"decode: {s['new_tokens']} new tokens, median of {s['repeats']} generations")
     print_table(key_table(header, [_bench_row(r) for r in s["runtimes"]], title=title))

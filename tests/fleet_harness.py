@@ -75,6 +75,7 @@ class Fleet:
 
     def join(self, cid: str, data: Path, *extra, profile: str = "cpu-laptop") -> None:
         cmd = [BIN / "ciders-edge", "join", "--server", f"127.0.0.1:{self.port}", "--state", self.state(cid), *extra]
+        cmd += ["--val-fraction", "0"] if "--val-fraction" not in extra else []  # as simulate's clients (its default)
         cmd += ["--data", data, "--profile", profile, "--root-certificates", self.run_dir / "certs" / "ca.crt"]
         self._start(cid, cmd)
 

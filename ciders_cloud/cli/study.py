@@ -54,6 +54,12 @@ def simulate(
         int | None, typer.Option(help="Held-out records per client answered (ROUGE-L, EM).")
     ] = None,
     max_records: Annotated[int | None, typer.Option(help="Cap records per client (0: all).")] = None,
+    val_fraction: Annotated[
+        float | None,
+        typer.Option(
+            help="Each client holds out this share of its records to choose its deployed messenger (0: none)."
+        ),
+    ] = None,
     public_data: Annotated[
         str | None, typer.Option(help="Public JSONL for TAKD (default: a sample of client data).")
     ] = None,
@@ -105,6 +111,7 @@ def simulate(
             "eval_examples": eval_examples,
             "eval_generate": eval_generate,
             "max_records": max_records,
+            "val_fraction": val_fraction,
             "public_data": public_data,
             "profile": profile,
             "profile_mix": profile_mix,

@@ -220,6 +220,20 @@ def edge_report(raw: object) -> dict:
     }
 
 
+def validation_line(report: dict) -> str | None:
+    """What an edge's validation says, for the cloud's log: the messenger it deploys and its held-out NLL
+    beside its personalized and global ones (so the log shows, client by client, whether personalization
+    helps); ``None`` for an edge that scored none."""
+    if not isinstance(report.get("deployed_nll"), float):
+        return None
+    nll = {k: report.get(f"val_nll_{k}") for k in ("personalized", "global", "base")}
+    rivals = ", ".join(f"{k} {v:.4f}" for k, v in nll.items() if isinstance(v, float))
+    return (
+        f"deploys {report.get('deployed', '?')}: NLL {report['deployed_nll']:.4f} on "
+        f"{report.get('val_records', '?')} held-out records ({rivals})"
+    )
+
+
 def refusal(err: Exception) -> str:
     """One line for the log: our own errors as they are, anything else with its type."""
     return str(err) if isinstance(err, CidersError) else f"{type(err).__name__}: {err}"

@@ -23,7 +23,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report, refusal
+from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report, refusal, validation_line
 from ciders_cloud.fleet.secure import MIN_EDGES, CountingGrid, fit_ins, secure_sum
 from ciders_cloud.fleet.serve import ServeSettings
 from ciders_cloud.run.folder import RunFolder
@@ -117,6 +117,9 @@ def run_round(grid: Grid, context: Context, co: Coordinator, s: ServeSettings, p
         f"{sum(r['bytes_up'] for r in records.values()):,}",
         f"{sum(r['bytes_down'] for r in records.values()):,}",
     )
+    for r in records.values():
+        if (line := validation_line(r.get("edge", {}))) is not None:
+            log(INFO, "round %d: %s %s", t, r["client"], line)
     return True
 
 

@@ -8,6 +8,7 @@ from ciders_cloud.privacy.settings import SAMPLINGS, PrivacySettings
 from ciders_cloud.run.config import GAMMA_SCHEDULES, TakdConfig
 from ciders_cloud.strategies import STRATEGIES, FedNestSettings
 from ciders_edge.config import ConfigMixin, check_limit
+from ciders_edge.data.holdout import check_val_fraction
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.packet import CODECS
 from ciders_edge.hyperparams import RoundHyperparams
@@ -81,6 +82,9 @@ class SimConfig(ConfigMixin):
     # how simulated edges hold int8/int4 frozen weights: empty, as their profiles say (as a fleet's devices
     # do, so the two agree to the bit); `dequantized` is a little faster on one machine (the same to 1e-7)
     frozen_weights: str = ""
+    # of each client's training records held out to choose the messenger it deploys, as `train --val-fraction`
+    # (0: none, every record trains and the device deploys its latest messenger: the studies published so far)
+    val_fraction: float = 0.0
     gamma_schedule: str = "constant"
     hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
     takd: dict = field(default_factory=dict)  # TakdConfig overrides
@@ -93,6 +97,7 @@ class SimConfig(ConfigMixin):
             raise ConfigError("simulate needs at least one --data file")
         if not 0.0 < self.participation <= 1.0:
             raise ConfigError(f"`participation` must be in (0, 1], got {self.participation}")
+        check_val_fraction(self.val_fraction)
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"`holdout` must be in (0, 1), got {self.holdout}")
         if self.eval_data and (self.partition != "per-file" or len(self.eval_data) != len(self.data)):

@@ -157,7 +157,8 @@ def _score_clients(edge: EdgeModel, ids: list[str], scoring: Scoring) -> tuple[l
 
 
 def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, dict]:
-    """Each client's personalized (and the global) messenger on AdapFu, on its own held-out data."""
+    """Each client's personalized (and the global) messenger on AdapFu, on its own held-out data; with a
+    validation slice (``val_fraction``), the messenger it deploys too (its state's best)."""
     if not bundle.has_full_backbone:
         return {}
     edge = _on(load_adapfu(bundle), scoring.device)
@@ -172,6 +173,9 @@ def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, d
         state = ClientState.load(scoring.study.client_state(cid))
         edge.use_messenger(state.personalized if state is not None and state.personalized else v)
         scores[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
+        if state is not None and state.best:
+            edge.use_messenger(state.best)
+            scores[cid].update(nll_full_deployed=messenger_nll(edge, batches), deployed=state.best_info["messenger"])
     return scores
 
 

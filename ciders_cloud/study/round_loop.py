@@ -81,6 +81,7 @@ def run_rounds(
                     client_id=cid,
                     hypergradient=probed.get("h"),
                     frozen_weights=cfg.frozen_weights or None,
+                    val_fraction=cfg.val_fraction,
                 ),
             )
             packets.append(packet)

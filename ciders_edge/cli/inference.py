@@ -12,7 +12,18 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ciders_edge.cli_utils import BackboneOpt, BaseModelOpt, FrozenOpt, JsonOpt, key_table, print_table, run_command
+from ciders_edge.cli_utils import (
+    BackboneOpt,
+    BaseModelOpt,
+    FrozenOpt,
+    GlobalOpt,
+    JsonOpt,
+    MessengerOpt,
+    key_table,
+    messenger_choice,
+    print_table,
+    run_command,
+)
 from ciders_edge.config import check_limit
 from ciders_edge.data.records import read_jsonl
 from ciders_edge.errors import ConfigError, ExportError
@@ -30,7 +41,8 @@ def infer(
     bundle: Annotated[Path | None, typer.Option(help="Bundle folder (with --state or --global).")] = None,
     state: Annotated[Path | None, typer.Option(help="Client state: its personalized messenger.")] = None,
     export: Annotated[Path | None, typer.Option(help="Export folder from `ciders-edge export`.")] = None,
-    use_global: Annotated[bool, typer.Option("--global", help="Run the bundle's global messenger.")] = False,
+    messenger: MessengerOpt = None,
+    use_global: GlobalOpt = False,
     runtime: Annotated[
         str | None,
         typer.Option(
@@ -59,8 +71,9 @@ def infer(
             raise ConfigError("--input and --output go together (prompts in, answers out)")
         if output is not None and output.is_dir():
             raise ConfigError(f"--output {output} is a folder; give the JSONL file to write")
-        if export is not None and bundle is None and (state is not None or use_global):
-            raise ConfigError("with --export, --state/--global only check the export: pass --bundle too, or neither")
+        chosen_messenger = messenger_choice(messenger, use_global)
+        if export is not None and bundle is None and (state is not None or use_global or messenger):
+            raise ConfigError("with --export, --state/--messenger only check the export: pass --bundle too, or neither")
         records = read_jsonl(input) if input is not None else None  # bad input fails before the model loads
         flags = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
         from ciders_edge.inference.generation import GenerationSettings  # transformers: only to answer
@@ -69,7 +82,9 @@ def infer(
         prof = load_profile(profile) if profile else None
         from ciders_edge.inference.infer import answer, answer_file  # torch and transformers: past the checks
 
-        rt, chosen, made = _open(runtime, export, bundle, state, use_global, prof, backbone, base_model, frozen_weights)
+        rt, chosen, made = _open(
+            runtime, export, bundle, state, chosen_messenger, prof, backbone, base_model, frozen_weights
+        )
         summary = {"runtime": rt.name, "providers": rt.providers, "source": rt.source}
         if chosen is not export:
             summary["export"] = {"path": str(chosen), "made_now": made}
@@ -85,33 +100,30 @@ def infer(
     def render(s: dict) -> None:
         if "text" in s and not stream:
             sys.stdout.write(s["text"] + "\n")
-        src = s["source"]
-        who = (
-            f"client {src['client_id']} round {src['state_round']}"
-            if src["messenger"] == "personalized"
-            else (f"global messenger round {src['round']}")
-        )
-        who += ", AdapFu" if src.get("backbone") == "full" else ", AdapEmu"
+        from ciders_edge.inference.personalize import Source  # loaded by now: the model answered
+
+        src, model = s["source"], "AdapFu" if s["source"].get("backbone") == "full" else "AdapEmu"
         what = f"{s['new_tokens']} tokens" if "text" in s else f"{s['answers']} answers → {s['output']}"
         rate = f", {s['decode_tokens_per_s']:.1f} tok/s" if s["decode_tokens_per_s"] is not None else ""
-        console.print(f"[dim]{what}, first token {s['first_token_s']:.2f} s{rate} ({s['runtime']}, {who})[/]")
+        console.print(f"[dim]{what}, first token {s['first_token_s']:.2f} s{rate} ({s['runtime']}, {model})[/]")
         if s.get("export", {}).get("made_now"):
             console.print(f"[dim]exported once for this model: {s['export']['path']} (--runtime torch: no export)[/]")
+        console.print(f"[dim]messenger: {escape(Source.from_dict(src).describe())}[/]", soft_wrap=True)
 
     run_command(body, as_json, render)
 
 
-def _open(runtime, export, bundle, state, use_global, prof, backbone, base_model, frozen_weights):
+def _open(runtime, export, bundle, state, messenger, prof, backbone, base_model, frozen_weights):
     """The runtime ``infer`` answers in, with the export it runs (``(runtime, export, made_now)``): the one
     named; from a bundle on a CPU, or with ``--runtime genai``, the cached GenAI export, made on first use
     and made again when the cached one fails its check (a damaged cache entry must not fail every call)."""
     from ciders_edge.inference.runtime import open_runtime
 
-    kw = {"bundle": bundle, "state": state, "use_global": use_global, "profile": prof, "backbone": backbone}
+    kw = {"bundle": bundle, "state": state, "messenger": messenger, "profile": prof, "backbone": backbone}
     open_ = partial(open_runtime, runtime, base_model=base_model, frozen_weights=frozen_weights, **kw)
     chosen, made = export, None
     if export is None and bundle is not None and (runtime == "genai" or (runtime is None and _on_cpu(prof))):
-        chosen, made = _default_export(bundle, state, use_global, backbone, base_model)  # the fastest installed
+        chosen, made = _default_export(bundle, state, messenger, backbone, base_model)  # the fastest installed
         if chosen is None and runtime == "genai":
             raise ConfigError("--runtime genai from a bundle needs the exporter (the toolkit's `export` package)")
     try:
@@ -121,16 +133,16 @@ def _open(runtime, export, bundle, state, use_global, prof, backbone, base_model
         if made is not False:  # not a cache entry made earlier: the user's export, or one just made
             raise
         console.print(f"[yellow]notice:[/] {escape(str(err))}; the cached export is made again", soft_wrap=True)
-    chosen, made = _default_export(bundle, state, use_global, backbone, base_model, rebuild=True)
+    chosen, made = _default_export(bundle, state, messenger, backbone, base_model, rebuild=True)
     with status("loading the model"):
         return open_(export=chosen), chosen, made
 
 
-def _default_export(bundle, state, use_global, backbone, base_model, rebuild=False) -> tuple[Path | None, bool | None]:
+def _default_export(bundle, state, messenger, backbone, base_model, rebuild=False) -> tuple[Path | None, bool | None]:
     """The exporter's cached GenAI int8 export of this model, made on first use (``export/cache.py``, found
     by entry point: this runtime never imports the exporter); ``(None, None)`` without it: torch answers."""
     for ep in entry_points(group="ciders_edge.exporters", name="default"):
-        return ep.load()(bundle, state, use_global, backbone, base_model, status, rebuild=rebuild)
+        return ep.load()(bundle, state, messenger, backbone, base_model, status, rebuild=rebuild)
     return None, None
 
 
@@ -140,7 +152,7 @@ def _runtime_exports(runtime: str, exports: list, states: list, bundle, backbone
         raise ConfigError(f"--runtime for evaluate is genai (torch rows are always scored), got {runtime!r}")
     if exports or not states:
         raise ConfigError("--runtime genai scores each --state's export: pass --state, and no --export")
-    made = [_default_export(bundle, s, False, backbone, base_model)[0] for s in states]
+    made = [_default_export(bundle, s, "best", backbone, base_model)[0] for s in states]  # the ones infer runs
     if None in made:
         raise ConfigError("--runtime genai needs the exporter (the toolkit's `export` package) installed")
     return made
@@ -203,8 +215,8 @@ def evaluate(
         if runtime is not None:  # bad flags fail before the exports are made
             exports = _runtime_exports(runtime, exports, states, bundle, backbone, base_model)
         b = Bundle.load(bundle)
-        if compare:
-            models = list(COMPARE)
+        if compare:  # and what the device deploys: the state's best messenger on the bundle's backbone
+            models = [*COMPARE, (resolve_backbone(b, backbone), "best")] if states else list(COMPARE)
         else:
             messenger = "global" if use_global else "base" if base else "personalized"
             models = [(resolve_backbone(b, backbone), messenger)]
@@ -276,6 +288,7 @@ def _model_label(backbone: str, messenger: str, runtime: str | None = None) -> s
     if (backbone, messenger) == ("full", "base"):
         return "base model"
     names = {"base": "base model", "global": "global messenger", "personalized": "personalized messenger"}
+    names["best"] = "deployed messenger"
     label = f"{'AdapFu' if backbone == 'full' else 'AdapEmu'}, {names[messenger]}"
     return f"{label} ({runtime} export)" if runtime else label
 
@@ -288,7 +301,7 @@ def _cell(r: dict) -> str:
         parts.append(f"NLL {r['nll']:.3f}")
     if r["rouge_l"] is not None and r["exact_match"] is None:
         parts.append(f"ROUGE-L {r['rouge_l']:.3f}")
-    return "  ".join(parts) or "—"
+    return "  ".join(parts + ([f"({r['deployed']})"] if r.get("deployed") else [])) or "—"
 
 
 def _print_text(text: str) -> None:

@@ -15,6 +15,13 @@ __all__ = ["train", "keygen", "join"]
 
 CodecOpt = Annotated[str, typer.Option(help="Packet codec: fp32 (lossless), bf16 or int8.")]
 KeyFileOpt = Annotated[Path | None, typer.Option(help="Client key: packets get an HMAC tag.")]
+ValFractionOpt = Annotated[
+    float,
+    typer.Option(
+        help="Records held out (by record hash, the same every round; 8 to 128, none below 16) to choose "
+        "the messenger this device deploys; 0: none."
+    ),
+]
 
 
 def train(
@@ -44,9 +51,11 @@ def train(
         ),
     ] = None,
     key_file: KeyFileOpt = None,
+    val_fraction: ValFractionOpt = 0.1,
     as_json: JsonOpt = False,
 ) -> None:
-    """Train the messenger for one round (CIDERS update) and write the Δc packet."""
+    """Train the messenger for one round (CIDERS update) and write the Δc packet; score the deployable
+    messengers on a held-out slice of --data and keep the best."""
 
     def body() -> dict:
         overrides = {
@@ -78,6 +87,7 @@ def train(
                 on_step=on_step,
                 frozen_weights=frozen_weights,
                 gradient_checkpointing=gradient_checkpointing,
+                val_fraction=val_fraction,
             )
             return train(bundle, data, state, out, options).summary
 
@@ -91,6 +101,14 @@ def train(
             f"in {s['steps']} {s['solver'].upper()} steps; packet {s['packet']} {s['packet_bytes']:,} bytes "
             f"({s['codec']}, raw {s['raw_bytes']:,}, {s['raw_bytes'] / s['packet_bytes']:.1f}x)"
         )
+        if "deployed" in s:
+            others = ", ".join(f"{k[8:]} {v:.4f}" for k, v in s.items() if k.startswith("val_nll_"))
+            console.print(
+                f"  deploys {s['deployed']}: NLL {s['deployed_nll']:.4f} on {s['val_records']} held-out records "
+                f"({others})",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     run_command(body, as_json, render)
 
@@ -125,6 +143,7 @@ def join(
     codec: CodecOpt = "fp32",
     key_file: KeyFileOpt = None,
     admit_wait: Annotated[float, typer.Option(help="Seconds to keep asking a SuperLink that does not admit us.")] = 60,
+    val_fraction: ValFractionOpt = 0.1,
     as_json: JsonOpt = False,
 ) -> None:
     """Join a fleet: run this device's Flower SuperNode; each round trains here and sends Δc up."""
@@ -140,6 +159,7 @@ def join(
             codec=codec,
             key=key_file,
             admit_wait=admit_wait,
+            val_fraction=val_fraction,
         ),
         as_json,
         lambda s: console.print("[green]✓[/] the SuperNode stopped"),

@@ -8,6 +8,7 @@ Schemas (detected per record): Alpaca (``instruction``/``input``/``output``), Do
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import random
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ __all__ = [
     "max_line_bytes",
     "collate",
     "batch_stream",
+    "record_key",
 ]
 
 IGNORE = -100
@@ -68,6 +70,7 @@ class Example:
     input_ids: list[int]
     labels: list[int]
     meta: dict = field(default_factory=dict)  # domain, category, reference answer, ...
+    key: str = ""  # the record's content hash (:func:`record_key`): the same record, the same key, every round
 
 
 def read_jsonl(path: str | Path, max_line_bytes: int | None = None) -> list[dict]:
@@ -262,7 +265,7 @@ def read_examples(
         ids, labels = encode(tok, *to_chat(rec), max_len)
         if any(x != IGNORE for x in labels[1:]):
             meta = {k: rec[k] for k in ("domain", "category", "answer") if k in rec}
-            examples.append(Example(ids, labels, meta))
+            examples.append(Example(ids, labels, meta, record_key(rec)))
         else:
             skipped.no_response += 1
     if not skipped.read:
@@ -270,6 +273,13 @@ def read_examples(
     if not examples:
         raise DataError(f"{path}: no record has a response within {max_len} tokens: {skipped.describe(max_len)}")
     return examples, skipped
+
+
+def record_key(record: dict) -> str:
+    """SHA-256 of a record's content (not of where it sits in the file): a validation slice chosen by
+    it stays the same slice however the file is reordered or appended to."""
+    content = {k: v for k, v in record.items() if k != "_where"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:

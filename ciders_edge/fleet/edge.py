@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ciders_edge.data.holdout import VAL_FRACTION, check_val_fraction
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.bundle_sync import held_files, install_bundle
 from ciders_edge.fleet.protocol import consensus_digest
@@ -36,9 +37,11 @@ class EdgeConfig:
     profile: str
     codec: str = "fp32"
     key: Path | None = None  # packet authentication key (the cloud holds the same in RUN/keys)
+    val_fraction: float = VAL_FRACTION  # held out of the data to choose the deployed messenger (train's)
 
     def to_node_config(self) -> str:
         items = {"state": str(self.state), "data": str(self.data), "profile": self.profile, "codec": self.codec}
+        items["val_fraction"] = self.val_fraction
         if self.key is not None:
             items["key"] = str(self.key)
         return " ".join(f"{k}={json.dumps(v)}" for k, v in items.items())  # TOML basic strings
@@ -53,6 +56,7 @@ class EdgeConfig:
                 str(cfg["profile"]),
                 str(cfg.get("codec", "fp32")),
                 Path(key) if key else None,
+                check_val_fraction(float(cfg.get("val_fraction", VAL_FRACTION))),
             )
         except KeyError as err:
             raise ConfigError(
@@ -160,7 +164,8 @@ def train_pending(
     state = settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere, summed_round)
     bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
     key = read_key_file(cfg.key) if cfg.key is not None else None
-    out = train_round(bundle, cfg.data, state, RoundOptions(client_id, cfg.profile, cfg.codec, key))
+    options = RoundOptions(client_id, cfg.profile, cfg.codec, key, val_fraction=cfg.val_fraction)
+    out = train_round(bundle, cfg.data, state, options)
     out.state.save(cfg.state / PENDING)
     append_jsonl(cfg.state / METRICS_LOG, [{"round": bundle.round, **s} for s in out.result.steps])
     return out.packet_bytes, out.summary, out.delta_sent

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from ciders_edge.data.holdout import VAL_FRACTION, check_val_fraction
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.edge import EdgeConfig
 from ciders_edge.fleet.keys import ensure_node_key
@@ -42,6 +43,7 @@ def join(
     codec: str = "fp32",
     key: Path | None = None,
     admit_wait: float = 60.0,
+    val_fraction: float = VAL_FRACTION,
 ) -> dict:
     """Run the SuperNode until it stops; returns why it stopped. A node the SuperLink does not
     admit is retried for ``admit_wait`` seconds (``serve`` registers keys once the SuperLink is up)."""
@@ -57,7 +59,9 @@ def join(
     name = load_profile(profile).name  # resolve `auto` once, here
     state.mkdir(parents=True, exist_ok=True)
     private, public = ensure_node_key(state)
-    cfg = EdgeConfig(state.resolve(), data.resolve(), name, codec, key.resolve() if key else None)
+    cfg = EdgeConfig(
+        state.resolve(), data.resolve(), name, codec, key.resolve() if key else None, check_val_fraction(val_fraction)
+    )
     cmd = [flower_tool("flower-supernode"), "--superlink", server]
     cmd += ["--auth-supernode-private-key", str(private.resolve())]
     runtime = f"127.0.0.1:{_free_port()}"  # the SuperNode's Runtime API, for the executor only

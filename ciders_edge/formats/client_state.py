@@ -1,4 +1,5 @@
-"""Client state under ``--state DIR``: c_i, the personalized messenger, round, counters, RNG.
+"""Client state under ``--state DIR``: c_i, the personalized messenger, round, counters, RNG, and the
+messenger the device deploys (the best its validation slice has scored, :mod:`ciders_edge.training.validation`).
 
 Saved as one directory swapped in atomically: a crash mid-training leaves the previous state whole.
 """
@@ -13,15 +14,16 @@ import torch
 from ciders_edge.errors import StateError
 from ciders_edge.formats.atomic import recover_dir
 from ciders_edge.formats.bundle import Bundle
-from ciders_edge.formats.statedir import INT, STR, Field, list_of, load_state_dir, optional, save_state_dir
+from ciders_edge.formats.statedir import INT, OBJECT, STR, Field, list_of, load_state_dir, optional, save_state_dir
 from ciders_edge.tensors import Tensors
 
-__all__ = ["ClientState", "METRICS_LOG"]
+__all__ = ["ClientState", "METRICS_LOG", "BEST_FILE"]
 
 CURRENT = "current"
 CONSENSUS = "consensus.safetensors"  # c_i
 PERSONALIZED_FILE = "messenger.safetensors"  # x_K, the personalized messenger LoRA
 RNG = "rng.safetensors"
+BEST_FILE = "best.safetensors"  # the best deployable messenger seen so far (states before validation: none)
 METRICS_LOG = "metrics.jsonl"
 FORMAT_VERSION = 1
 COUNTERS = ("rounds", "steps", "examples_seen")
@@ -37,6 +39,9 @@ FIELDS = {  # state.json, checked on load
         "an object of integer " + ", ".join(COUNTERS),
         lambda v: isinstance(v, dict) and all(INT.check(v.get(k)) for k in COUNTERS),
     ),
+    "best": optional(OBJECT),  # what BEST_FILE holds: messenger, alpha, round, its scores
+    "validation": optional(OBJECT),  # the last round's validation scores
+    "round_log": optional(list_of(OBJECT)),  # the last round's lines of METRICS_LOG, until they are there
 }
 
 
@@ -55,6 +60,10 @@ class ClientState:
     counters: dict = field(default_factory=lambda: {"rounds": 0, "steps": 0, "examples_seen": 0})
     rng: torch.Tensor | None = None  # torch CPU generator state
     run_id: str = ""  # the run (bundle manifest's run_id) this state's c_i belongs to
+    best: Tensors = field(default_factory=dict)  # the best deployable messenger so far (empty: none scored)
+    best_info: dict = field(default_factory=dict)  # which one it is and its score (validation.Choice.to_dict)
+    validation: dict = field(default_factory=dict)  # the last round's scores on the validation slice
+    round_log: list[dict] = field(default_factory=list)  # the last round's METRICS_LOG lines (train.sync_log)
 
     def check_run(self, bundle: Bundle) -> None:
         """Refuse a bundle of another run: this c_i is a share of that run's consensus, not this one's."""
@@ -87,11 +96,13 @@ class ClientState:
             "frozen_digest": self.frozen_digest,
             "counters": self.counters,
             "run_id": self.run_id,
+            **({"best": self.best_info} if self.best else {}),
+            **({"validation": self.validation} if self.validation else {}),
+            **({"round_log": self.round_log} if self.round_log else {}),
         }
         rng = {"torch": self.rng} if self.rng is not None else {}
-        save_state_dir(
-            Path(path) / CURRENT, {CONSENSUS: self.c_i, PERSONALIZED_FILE: self.personalized, RNG: rng}, meta
-        )
+        files = {CONSENSUS: self.c_i, PERSONALIZED_FILE: self.personalized, RNG: rng}
+        save_state_dir(Path(path) / CURRENT, {**files, **({BEST_FILE: self.best} if self.best else {})}, meta)
 
     @classmethod
     def load(cls, path: str | Path) -> ClientState | None:
@@ -100,10 +111,13 @@ class ClientState:
         recover_dir(cur)
         if not cur.exists():
             return None
-        meta, t = load_state_dir(cur, (CONSENSUS, PERSONALIZED_FILE, RNG), FORMAT_VERSION, "client state", FIELDS)
+        names = (CONSENSUS, PERSONALIZED_FILE, RNG) + ((BEST_FILE,) if (cur / BEST_FILE).exists() else ())
+        meta, t = load_state_dir(cur, names, FORMAT_VERSION, "client state", FIELDS)
         c_i, personalized, rng = t[CONSENSUS], t[PERSONALIZED_FILE], t[RNG].get("torch")
         if rng is not None and (rng.dtype != torch.uint8 or rng.dim() != 1):
             raise StateError(f"{cur / RNG}: client state corrupt (`torch` is not a generator state: {rng.dtype})")
+        if ("best" in meta) != (BEST_FILE in t):
+            raise StateError(f"{cur}: client state incomplete ({BEST_FILE} and state.json's `best` go together)")
         return cls(
             meta["client_id"],
             meta["model_revision"],
@@ -116,4 +130,8 @@ class ClientState:
             meta["counters"],
             rng,
             meta.get("run_id", ""),
+            t.get(BEST_FILE, {}),
+            meta.get("best", {}),
+            meta.get("validation", {}),
+            meta.get("round_log", []),
         )

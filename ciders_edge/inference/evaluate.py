@@ -222,7 +222,8 @@ def evaluate_exports(
         progress = (lambda i, n, label=label: on_progress(label, i, n)) if on_progress else None
         s = score_answers(rt.model, rt.tokenizer, records, max_new_tokens, progress)
         backbone = rt.source.get("backbone", "emu")
-        row = {"backbone": backbone, "messenger": "personalized", "runtime": rt.name, "state": str(state)}
+        row = {"backbone": backbone, "messenger": rt.source.get("messenger", "personalized"), "runtime": rt.name}
+        row["state"] = str(state)
         rows.append({**row, "data": str(data), "client_id": rt.source.get("client_id"), **s.to_dict()})
         del rt
     return rows
@@ -261,16 +262,10 @@ def evaluate_models(
                     else None
                 )
                 s = score(edge, records, max_new_tokens, progress)
-                rows.append(
-                    {
-                        "backbone": backbone,
-                        "messenger": messenger,
-                        "state": str(state) if state else None,
-                        "data": str(data),
-                        "client_id": source.client_id,
-                        **s.to_dict(),
-                    }
-                )
+                row = {"backbone": backbone, "messenger": messenger, "state": str(state) if state else None}
+                if messenger == "best":  # which one the state's validation chose
+                    row["deployed"] = source.pick
+                rows.append({**row, "data": str(data), "client_id": source.client_id, **s.to_dict()})
         del edge
     order = {m: i for i, m in enumerate(models)}
     return sorted(rows, key=lambda r: order[(r["backbone"], r["messenger"])])

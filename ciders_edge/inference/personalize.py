@@ -31,9 +31,11 @@ __all__ = [
     "merge_messenger",
     "resolve_backbone",
     "MESSENGERS",
+    "DEPLOYABLE",
 ]
 
 MESSENGERS = ("personalized", "global", "base")  # base: the messenger layers as the source model has them
+DEPLOYABLE = ("best", "latest", "global")  # --messenger: a device's choices (latest: its last personalized one)
 
 
 @dataclass
@@ -47,14 +49,34 @@ class Source:
     client_id: str = ""
     state_round: int = -1  # the round whose training produced the personalized messenger
     backbone: str = "emu"
+    choice: str = ""  # "best": which messenger the state's validation chose, and why
+    pick: str = ""  # "best": that choice in a word or two ("global r3", "mix 0.25 r3", "latest")
+
+    def describe(self) -> str:
+        """Which messenger runs, in words (``infer``, ``export`` and ``bench`` say it)."""
+        if self.messenger == "global":
+            return f"round {self.round}'s global messenger"
+        if self.messenger == "base":
+            return "the base model's messenger layers"
+        if self.messenger == "best":
+            return f"client {self.client_id}'s best messenger: {self.choice}"
+        return f"client {self.client_id}'s personalized messenger of round {self.state_round}" + (
+            f" ({self.choice})" if self.choice else ""
+        )
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Source:
+        """A recorded source (an export's manifest, a summary); keys it does not know are left out."""
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
     def same_model(self, other: dict) -> bool:
         """Does ``other`` (an export's recorded source) run exactly this model?"""
         keys = ["frozen_digest", "messenger"]
-        keys += ["client_id", "state_round"] if self.messenger == "personalized" else ["bundle_id"]
+        keys += ["client_id", "state_round"] if self.messenger in ("personalized", "best") else ["bundle_id"]
+        keys += ["choice"] if self.messenger == "best" else []
         same_backbone = other.get("backbone", "emu") == self.backbone
         return same_backbone and all(other.get(k) == getattr(self, k) for k in keys)
 
@@ -70,33 +92,68 @@ def resolve_backbone(bundle: Bundle, backbone: str | None) -> str:
 def personal_messenger(
     bundle: Bundle, state_dir: str | Path | None, messenger: str = "personalized", backbone: str = "emu"
 ) -> tuple[Tensors, Source]:
-    """The messenger LoRA to run: the state's x_K, the bundle's global v, or zeros (the base model's)."""
+    """The messenger LoRA to run: the state's best (what its validation chose) or latest x_K, the bundle's
+    global v, or zeros (the base model's)."""
+    messenger = "personalized" if messenger == "latest" else messenger
     digest = bundle.full_digest if backbone == "full" else bundle.frozen_digest
     source = Source(bundle.bundle_id, bundle.round, digest, messenger, backbone=backbone)
-    if messenger not in MESSENGERS:
-        raise ConfigError(f"messenger must be one of {', '.join(MESSENGERS)}, got {messenger!r}")
+    if messenger not in (*MESSENGERS, "best"):
+        raise ConfigError(f"--messenger must be one of {', '.join(DEPLOYABLE)}, got {messenger!r}")
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
     if messenger == "global":
         return v, source
     if messenger == "base":
         return {k: torch.zeros_like(t) for k, t in v.items()}, source
+    state = _trained_state(bundle, state_dir, backbone)
+    source.client_id, source.state_round = state.client_id, state.round
+    if messenger == "personalized":
+        return state.personalized, source
+    if not state.best:
+        source.messenger, source.pick = "personalized", "latest"
+        source.choice = (
+            f"latest: round {state.round} held out no validation slice (--val-fraction 0, or under 16 records)"
+        )
+        return state.personalized, source
+    info = state.best_info
+    alpha = f" {info['alpha']:g}" if info.get("alpha") is not None else ""
+    source.pick = f"{info['messenger']}{alpha}" + (f" r{info['round']}" if info["messenger"] != "base" else "")
+    if (info["messenger"], info["round"]) == ("personalized", state.round):
+        source.messenger = "personalized"  # the same model as --messenger latest
+    source.choice = _why(info, state.validation)
+    return state.best, source
+
+
+def _trained_state(bundle: Bundle, state_dir: str | Path | None, backbone: str) -> ClientState:
+    """The client state of ``state_dir``, checked to hold a personalized messenger this bundle can run."""
     if state_dir is None:
-        raise StateError("no --state given: pass the client state folder, or --global for the bundle's messenger")
+        raise StateError("no --state given: pass the client state folder, or --messenger global")
     if not Path(state_dir).is_dir():
         raise StateError(f"{state_dir}: no such state folder (pass the --state that `ciders-edge train` used)")
     state = ClientState.load(state_dir)
     if state is None or not state.personalized:
-        raise StateError(f"{state_dir}: no personalized messenger yet (train a round first, or pass --global)")
+        raise StateError(
+            f"{state_dir}: no personalized messenger yet (train a round first, or pass --messenger global)"
+        )
     state.check_model(bundle)
     trained_on = state.frozen_digest or state.bundle_id
     if backbone == "emu" and trained_on not in (bundle.frozen_digest, bundle.bundle_id):
         raise StateError(
             f"{state_dir}: its messenger was trained on bundle {state.bundle_id[:12]} (round {state.round}), "
             f"whose backbone differs from this bundle's (round {bundle.round}); pass that bundle, "
-            "--backbone full, or --global"
+            "--backbone full, or --messenger global"
         )
-    source.client_id, source.state_round = state.client_id, state.round
-    return state.personalized, source
+    return state
+
+
+def _why(best: dict, scores: dict) -> str:
+    """The best messenger in words, with the scores it won by (state.json's ``best`` and ``validation``)."""
+    what = {"base": "the base model's", "mix": f"a {best.get('alpha')} mixture of the personalized and global"}
+    name = what.get(best["messenger"], f"the {best['messenger']}")
+    rivals = ", ".join(f"{k} {s['nll']:.4f}" for k, s in scores.items() if k in ("personalized", "global"))
+    return (
+        f"{name} messenger of round {best['round']}, lowest NLL {best['nll']:.4f} on {best.get('records', '?')} "
+        f"held-out records in round {best['scored_round']}" + (f" ({rivals})" if rivals else "")
+    )
 
 
 def load_backbone(
@@ -116,15 +173,13 @@ def load_backbone(
 def load_personalized(
     bundle: Bundle,
     state_dir: str | Path | None,
-    use_global: bool = False,
+    messenger: str = "best",
     dtype: torch.dtype | None = None,
     backbone: str = "emu",
     base_model: str | Path | None = None,
-    messenger: str | None = None,
     quantized: bool = False,
 ) -> tuple[EdgeModel, Source]:
-    """A backbone running the personalized (or global, or base) messenger, LoRA still live."""
-    messenger = messenger or ("global" if use_global else "personalized")
+    """A backbone running the state's best (or latest, or the global, or the base) messenger, LoRA still live."""
     x, source = personal_messenger(bundle, state_dir, messenger, backbone)
     edge = load_backbone(bundle, backbone, dtype, base_model, quantized)
     edge.use_messenger(x)

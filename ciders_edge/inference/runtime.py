@@ -25,7 +25,13 @@ from ciders_edge.inference.compiled_decode import (
     use_compiled_decode,
 )
 from ciders_edge.inference.generation import context_length
-from ciders_edge.inference.personalize import load_personalized, merge_messenger, personal_messenger, resolve_backbone
+from ciders_edge.inference.personalize import (
+    Source,
+    load_personalized,
+    merge_messenger,
+    personal_messenger,
+    resolve_backbone,
+)
 from ciders_edge.inference.providers import resolve_providers
 from ciders_edge.profiles import DeviceProfile, keeps_quantized, pick_device
 from ciders_edge.progress import console
@@ -63,7 +69,7 @@ def open_runtime(
     bundle: str | Path | None = None,
     state: str | Path | None = None,
     export: str | Path | None = None,
-    use_global: bool = False,
+    messenger: str = "best",
     profile: DeviceProfile | None = None,
     backbone: str | None = None,
     base_model: str | Path | None = None,
@@ -73,6 +79,7 @@ def open_runtime(
     """torch from a bundle (+ state) or an ``hf`` export; onnx from an ``onnx`` export; genai from a
     ``genai`` export (``None``: the export's own runtime).
 
+    ``messenger``: the state's ``best`` (what its validation chose), ``latest``, or the bundle's ``global``.
     ``backbone`` (torch from a bundle): ``emu`` or ``full`` (AdapFu); default, what the bundle deploys.
     With an export *and* a bundle, the export must have been made from that bundle and state.
     ``decode`` (torch): ``auto`` compiles on a GPU (:func:`decode_mode`), ``eager`` or ``compiled`` force one.
@@ -96,14 +103,14 @@ def open_runtime(
             raise ConfigError("pass --bundle (with --state or --global), or --export")
         b = Bundle.load(bundle)
         quantized = keeps_quantized(frozen_weights, profile, b.manifest["profile"])
-        rt = _torch_from_bundle(b, state, use_global, profile, resolve_backbone(b, backbone), base_model, quantized)
+        rt = _torch_from_bundle(b, state, messenger, profile, resolve_backbone(b, backbone), base_model, quantized)
         _set_decode(rt.model, profile, decode)
         return rt
     if EXPORT_RUNTIME[exp.format] != runtime:
         raise ConfigError(f"{export}: a {exp.format} export runs with --runtime {EXPORT_RUNTIME[exp.format]}")
     if bundle is not None:
         b = Bundle.load(bundle)
-        _check_export_source(exp, b, state, use_global, exp.source.get("backbone", "emu"))
+        _check_export_source(exp, b, state, messenger, exp.source.get("backbone", "emu"))
     if runtime == "llamacpp":
         return _llamacpp(exp)
     providers = resolve_providers(profile.execution_providers if profile else []) if runtime == "onnx" else []
@@ -126,10 +133,10 @@ def _llamacpp(exp: Export) -> Runtime:
 
 
 def _torch_from_bundle(
-    bundle: Bundle, state, use_global: bool, profile: DeviceProfile | None, backbone: str, base_model, quantized: bool
+    bundle: Bundle, state, messenger: str, profile: DeviceProfile | None, backbone: str, base_model, quantized: bool
 ) -> Runtime:
     dtype = profile.torch_dtype if profile else None
-    edge, source = load_personalized(bundle, state, use_global, dtype, backbone, base_model, quantized=quantized)
+    edge, source = load_personalized(bundle, state, messenger, dtype, backbone, base_model, quantized=quantized)
     model = merge_messenger(edge).to(pick_device(profile))
     return Runtime("torch", model, edge.tokenizer, context_length(model.config), source.to_dict())
 
@@ -143,8 +150,8 @@ def _set_decode(model, profile: DeviceProfile | None, requested: str) -> None:
         use_compiled_decode(model)
 
 
-def _check_export_source(exp: Export, bundle: Bundle, state, use_global: bool, backbone: str) -> None:
-    _, source = personal_messenger(bundle, state, "global" if use_global else "personalized", backbone)
+def _check_export_source(exp: Export, bundle: Bundle, state, messenger: str, backbone: str) -> None:
+    _, source = personal_messenger(bundle, state, messenger, backbone)
     if not source.same_model(exp.source):
         raise ExportError(
             f"{exp.path}: made from {_describe(exp.source)}, but --bundle/--state give "
@@ -154,6 +161,4 @@ def _check_export_source(exp: Export, bundle: Bundle, state, use_global: bool, b
 
 def _describe(s: dict) -> str:
     backbone = f"{'the full' if s.get('backbone') == 'full' else 'the AdapEmu'} backbone {s['frozen_digest'][:12]}"
-    if s["messenger"] == "global":
-        return f"round {s['round']}'s global messenger on {backbone}"
-    return f"client {s['client_id']}'s messenger of round {s['state_round']} on {backbone}"
+    return f"{Source.from_dict(s).describe()} on {backbone}"

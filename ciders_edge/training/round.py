@@ -8,6 +8,7 @@ sends the packet over the network. :class:`RoundOptions` carries the caller's ch
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -16,14 +17,17 @@ from pathlib import Path
 import torch
 
 from ciders_edge.allocator import return_freed_memory
+from ciders_edge.data.holdout import VAL_FRACTION, check_val_fraction, hold_out
 from ciders_edge.data.records import Example, load_examples
 from ciders_edge.errors import ConfigError, PacketError, StateError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.packet import Packet, consensus_digest
 from ciders_edge.hyperparams import RoundHyperparams
+from ciders_edge.inference.personalize import load_backbone
 from ciders_edge.memory import estimate_memory
 from ciders_edge.model.adapemu import EdgeModel, load_edge_model
+from ciders_edge.model.quantized import is_quantized
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import (
     DeviceProfile,
@@ -38,6 +42,7 @@ from ciders_edge.training.bilevel import client_gradients
 from ciders_edge.training.equations import clip_displacement, reconstruct_displacement
 from ciders_edge.training.local_steps import LocalResult, local_update
 from ciders_edge.training.objective import MessengerObjective
+from ciders_edge.training.validation import Validation, validate
 
 __all__ = [
     "RoundOptions",
@@ -64,9 +69,11 @@ class RoundOptions:
     seed: int = 0  # of the data order, with the client id and round
     frozen_weights: str | None = None  # quantized | dequantized (None: the profile's)
     gradient_checkpointing: bool | None = None  # None: the profile's
+    val_fraction: float = VAL_FRACTION  # of the records held out to choose the deployed messenger (0: none)
 
     def __post_init__(self) -> None:
         check_frozen_weights(self.frozen_weights)  # before any file is touched
+        check_val_fraction(self.val_fraction)
 
 
 @dataclass
@@ -178,7 +185,17 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
     and fill its summary."""
     check_state(state, b)
     hp, edge, examples = load_round(b, data, options.profile, options.overrides, memory=options)
+    examples, val = hold_out(examples, options.val_fraction, f"{data}: ")
     output = local_round(edge, examples, state, hp, options)
+    validation = None
+    if val:
+        if b.manifest.get("deploy_backbone", "emu") == "full":
+            prof, quantized = load_profile(options.profile) if options.profile else None, is_quantized(edge.model)
+            del edge  # the AdapEmu's memory before AdapFu's
+            gc.collect()
+            edge = load_backbone(b, "full", prof.torch_dtype if prof else None, quantized=quantized)
+            edge.model.to(pick_device(prof))
+        validation = _validate(edge, val, state, output)
     rfd = [m["r_fd"] for m in output.result.steps if "r_fd" in m]
     p = output.packet
     output.summary = {
@@ -196,8 +213,20 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
         "r_fd": sum(rfd) / len(rfd) if rfd else None,
         "raw_bytes": p.raw_bytes,
         "packet_bytes": len(output.packet_bytes),
+        **(validation.summary() if validation else {}),
     }
     return output
+
+
+def _validate(edge: EdgeModel, val: list[Example], before: ClientState | None, output: RoundOutput) -> Validation:
+    """Score the round's candidates on the deployed backbone; the new state keeps the best and the scores."""
+    new, bundle = output.state, edge.bundle
+    v = {k: t.float() for k, t in bundle.messenger_lora().items()}
+    kept = (before.best, before.best_info) if before is not None and before.best else None
+    result = validate(edge, val, v, new.personalized, kept, (bundle.round, new.round))
+    new.best, new.best_info = result.best_tensors, {**result.best.to_dict(), "records": result.records}
+    new.validation = {c.name: {"nll": c.nll, "exact_match": c.exact_match} for c in result.scores}
+    return result
 
 
 def load_round(

@@ -172,7 +172,7 @@ def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
     for cid in ("client-00", "client-02"):
         held = out / "data" / cid / "eval.jsonl"
         base, _ = load_personalized(round0, None, messenger="base", backbone="full")
-        emu0, _ = load_personalized(round0, None, use_global=True, backbone="emu")
+        emu0, _ = load_personalized(round0, None, messenger="global", backbone="emu")
         full, _ = load_personalized(round1, out / "clients" / cid, backbone="full")
         examples = load_examples(held, base.tokenizer, 512)[: FAST["eval_examples"]]
         assert baseline[cid]["nll_full"] == pytest.approx(response_nll(base, examples), rel=1e-5)
@@ -180,6 +180,27 @@ def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
         assert evals[cid]["nll_full_personal"] == pytest.approx(response_nll(full, examples), rel=1e-5)
     summary = (out / "metrics.jsonl").read_text()
     assert '"nll_full_global"' in summary
+
+
+def test_a_study_with_a_validation_slice_scores_what_each_client_deploys(demo_dir, tmp_path):
+    """`--val-fraction`: each client trains as a device does, keeps its best messenger, and the evaluation
+    scores that one on AdapFu beside the latest and the global (a direct computation on the same records)."""
+    from ciders_edge.data.records import load_examples
+    from ciders_edge.formats.bundle import Bundle
+    from ciders_edge.formats.client_state import ClientState
+    from ciders_edge.inference.evaluate import response_nll
+    from ciders_edge.inference.personalize import load_personalized
+
+    out = tmp_path / "sim"
+    simulate(fast_study(demo_dir, rounds=1, eval_generate=0, max_records=0, val_fraction=0.1), out)
+    evals = {r["client"]: r for r in _metrics(out) if r["type"] == "eval"}
+    round1 = Bundle.load(RunFolder(out / "run").bundle("cpu-laptop", 1))
+    for cid, rec in evals.items():
+        state = ClientState.load(out / "clients" / cid)
+        assert state.best_info["records"] == 8 and rec["deployed"] == state.best_info["messenger"]
+        deployed, _ = load_personalized(round1, out / "clients" / cid, "best", backbone="full")
+        examples = load_examples(out / "data" / cid / "eval.jsonl", deployed.tokenizer, 512)[: FAST["eval_examples"]]
+        assert rec["nll_full_deployed"] == pytest.approx(response_nll(deployed, examples), rel=1e-5)
 
 
 def test_clients_with_the_same_eval_file_are_scored_once_and_alike(demo_dir, tmp_path):

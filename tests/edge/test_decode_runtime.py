@@ -64,7 +64,7 @@ def bundle(tiny_run):
 @pytest.fixture(scope="module")
 def eager_answer(bundle):
     """The answer on today's path: transformers' own generate on the merged model, dynamic cache."""
-    rt = open_runtime("torch", bundle=bundle, use_global=True)
+    rt = open_runtime("torch", bundle=bundle, messenger="global")
     g = answer(rt, PROMPT, SETTINGS)
     assert rt.decode == "eager" and rt.model.generation_config.compile_config is None
     assert g.new_tokens == 12
@@ -74,7 +74,7 @@ def eager_answer(bundle):
 def test_cpu_decodes_eagerly_as_before(bundle, eager_answer):
     from ciders_edge.inference.generation import encode_prompt
 
-    rt = open_runtime("torch", bundle=bundle, use_global=True)
+    rt = open_runtime("torch", bundle=bundle, messenger="global")
     ids = encode_prompt(rt.tokenizer, [{"role": "user", "content": PROMPT}], rt.context, 12)
     out = rt.model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), pad_token_id=rt.tokenizer.pad_token_id, do_sample=False,
@@ -84,7 +84,7 @@ def test_cpu_decodes_eagerly_as_before(bundle, eager_answer):
 
 
 def test_failing_compile_falls_back_with_one_notice(bundle, eager_answer, monkeypatch, capsys):
-    rt = open_runtime("torch", bundle=bundle, use_global=True, decode="compiled")
+    rt = open_runtime("torch", bundle=bundle, messenger="global", decode="compiled")
     assert rt.decode == "compiled"
 
     def broken_compile(fn, **_):
@@ -108,7 +108,7 @@ def test_failing_compile_falls_back_with_one_notice(bundle, eager_answer, monkey
 
 def test_static_cache_path_matches_eager(bundle, eager_answer):
     """The compiled path itself (static KV cache, dynamo; the eager backend compiles in seconds on a CPU)."""
-    rt = open_runtime("torch", bundle=bundle, use_global=True, decode="eager")
+    rt = open_runtime("torch", bundle=bundle, messenger="global", decode="eager")
     compiled_decode.use_compiled_decode(rt.model, backend="eager")
     assert answer(rt, PROMPT, SETTINGS).text == eager_answer
     cache = compiled_decode._CACHES[rt.model][2]
@@ -119,4 +119,4 @@ def test_static_cache_path_matches_eager(bundle, eager_answer):
 
 def test_unknown_decode_fails_before_loading(bundle):
     with pytest.raises(ConfigError, match="decode must be one of"):
-        open_runtime("torch", bundle=bundle, use_global=True, decode="fast")
+        open_runtime("torch", bundle=bundle, messenger="global", decode="fast")

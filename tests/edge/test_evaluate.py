@@ -76,7 +76,8 @@ def test_cli_compare_table_and_json(trained, demo_dir):
     s = json.loads(r.stdout.strip().splitlines()[-1])
     models = [(x["backbone"], x["messenger"]) for x in s["results"]]
     assert models == [("full", "base"), ("emu", "global"), ("emu", "personalized"), ("full", "global"),
-                      ("full", "personalized")]  # fmt: skip
+                      ("full", "personalized"), ("full", "best")]  # fmt: skip
+    assert s["results"][-1]["deployed"] == "latest"  # this state held out no validation slice
     assert all(x["counts"]["exact_match"] == 2 and x["nll"] > 0 for x in s["results"])
     personal = {x["backbone"]: x["nll"] for x in s["results"] if x["messenger"] == "personalized"}
     assert personal["emu"] != personal["full"] and not s["skipped"]

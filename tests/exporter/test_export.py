@@ -50,7 +50,7 @@ def exports(trained, tmp_path_factory):
 
 def test_personalized_messenger_changes_the_model(trained, reference):
     bundle, _ = trained
-    edge, source = load_personalized(Bundle.load(bundle), None, use_global=True)
+    edge, source = load_personalized(Bundle.load(bundle), None, "global")
     inputs, personal = reference
     glob = all_logits(edge.model, inputs)
     assert source.messenger == "global"
@@ -167,8 +167,8 @@ def test_state_for_another_backbone_is_refused(trained, tmp_path):
 
 def test_export_made_from_another_messenger_is_refused(trained, exports):
     bundle, _ = trained
-    with pytest.raises(ExportError, match="made from client e1's messenger of round 0 .* global messenger"):
-        open_runtime("onnx", export=exports["onnx"]["out"], bundle=bundle, use_global=True)
+    with pytest.raises(ExportError, match="made from client e1's personalized messenger of round 0 .* global"):
+        open_runtime("onnx", export=exports["onnx"]["out"], bundle=bundle, messenger="global")
     with pytest.raises(ConfigError, match="a hf export runs with --runtime torch"):
         open_runtime("onnx", export=exports["hf"]["out"])
 
@@ -300,7 +300,8 @@ def test_cli_infer_prints_the_answer(exports):
         edge_app, ["infer", "--export", str(exports["hf"]["out"]), "--prompt", "hi", "--max-new-tokens", "3"]
     )
     assert r.exit_code == 0, r.output
-    assert "3 tokens, first token" in r.output and "(torch, client e1 round 0, AdapEmu)" in r.output
+    assert "3 tokens, first token" in r.output and "(torch, AdapEmu)" in r.output
+    assert "messenger: client e1's personalized messenger of round 0 (latest: round 0 held out no" in r.output
 
 
 def test_sources_match_only_the_same_messenger(trained):

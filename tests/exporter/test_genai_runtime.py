@@ -215,7 +215,7 @@ def test_bad_genai_input_is_refused(genai, trained, tmp_path):
     with pytest.raises(ConfigError, match="a genai export runs with --runtime genai"):
         open_runtime("onnx", export=src)
     with pytest.raises(ConfigError, match="runs an export"):
-        open_runtime("genai", bundle=trained[0], use_global=True)
+        open_runtime("genai", bundle=trained[0], messenger="global")
     with pytest.raises(ConfigError, match="--quantize for --format genai"):
         export_model(trained[0], trained[1], "genai", tmp_path / "x", "int8-dynamic")
     bad = tmp_path / "bad"

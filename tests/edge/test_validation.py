@@ -1,0 +1,212 @@
+"""The validation slice and the deployed messenger (issue 58): the slice by record hash, greedy exact match in
+one teacher-forced pass, the state's best, and `--messenger best|latest|global` in infer and export."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ciders_cloud.fleet.coordinator import edge_report, validation_line
+from ciders_edge.cli import app as edge_app
+from ciders_edge.data.holdout import hold_out, validation_size
+from ciders_edge.data.records import Example, collate, encode, read_examples, record_key
+from ciders_edge.errors import ConfigError, StateError
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import BEST_FILE, ClientState
+from ciders_edge.inference.evaluate import backbone_batches
+from ciders_edge.inference.generation import GenerationSettings, generate_batch
+from ciders_edge.inference.personalize import load_personalized, personal_messenger
+from ciders_edge.model.forward import messenger_loss, run_backbone
+from ciders_edge.training.validation import messenger_scores, mix
+
+runner = CliRunner()
+
+
+def _examples(n: int) -> list[Example]:
+    return [Example([i], [i], key=record_key({"instruction": f"q{i % 97}", "output": str(i)})) for i in range(n)]
+
+
+@pytest.mark.parametrize(("records", "size"), [(15, 0), (16, 8), (100, 10), (400, 40), (5000, 128)])
+def test_the_slice_is_a_tenth_at_least_8_at_most_128_and_none_below_16(records, size):
+    assert validation_size(records, 0.1) == size
+    train, val = hold_out(_examples(records), 0.1)
+    assert len(val) == size and len(train) + len(val) == records
+
+
+def test_the_slice_is_the_same_whatever_the_order_and_never_trained_on():
+    examples = _examples(200)
+    train, val = hold_out(examples, 0.1)
+    _, again = hold_out(list(reversed(examples)), 0.1)
+    assert {e.key for e in val} == {e.key for e in again}
+    assert not {e.key for e in val} & {e.key for e in train}
+
+
+def test_copies_of_a_record_land_on_the_same_side():
+    examples = _examples(40)
+    _, val = hold_out(examples, 0.1)
+    copies = examples + [Example([0], [0], key=e.key) for e in val]  # every held-out record twice
+    train, val2 = hold_out(copies, 0.1)
+    assert not {e.key for e in train} & {e.key for e in val2}
+
+
+def test_the_record_key_is_its_content_not_its_place(demo_dir, tokenizer, tmp_path):
+    lines = (demo_dir / "units" / "train.jsonl").read_text().splitlines()
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(["", *reversed(lines)]) + "\n")
+    a, _ = read_examples(tmp_path / "a.jsonl", tokenizer, 128)
+    b, _ = read_examples(tmp_path / "b.jsonl", tokenizer, 128)
+    assert sorted(e.key for e in a) == sorted(e.key for e in b) and len({e.key for e in a}) == len(a)
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 0.6, float("nan")])
+def test_a_fraction_out_of_range_is_refused(fraction):
+    with pytest.raises(ConfigError, match="--val-fraction must be between 0 and 0.5"):
+        hold_out(_examples(40), fraction)
+
+
+def test_the_mixture_interpolates_factor_by_factor():
+    x, v = {"a": torch.tensor([1.0, 3.0])}, {"a": torch.tensor([-1.0, 1.0])}
+    assert torch.equal(mix(x, v, 0.25)["a"], torch.tensor([-0.5, 1.5]))
+
+
+def test_teacher_forced_exact_match_is_greedy_decodings(tiny_run):
+    """Fit the (untied) LM head to two of three short answers: exact match from one teacher-forced pass
+    equals greedy generation's, record by record (2 of 3), and the NLL is the mean token cross-entropy."""
+    edge, _ = load_personalized(Bundle.load(tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"), None, "global")
+    tok, head = edge.tokenizer, edge.model.get_base_model().lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())  # untied from the embeddings
+    qa = [("Is the sky blue?", "yes"), ("Is fire cold?", "no"), ("Name a colour.", "blue")]
+    examples = [Example(*encode(tok, [{"role": "user", "content": q}], a, 128)) for q, a in qa]
+    with torch.no_grad():
+        fit = run_backbone(edge.model, collate(examples[:2], tok.pad_token_id), edge.split.n_kept)
+    opt = torch.optim.AdamW([head.weight], lr=3e-2)
+    for _ in range(60):
+        opt.zero_grad()
+        messenger_loss(edge.model, fit, edge.split.n_kept).backward()
+        opt.step()
+    batches = backbone_batches(edge, examples)
+    nll, em, short = messenger_scores(edge, batches)
+    answers = generate_batch(edge.model, tok, [[{"role": "user", "content": q}] for q, _ in qa], GenerationSettings())
+    greedy = [a == ref for a, (_, ref) in zip(answers, qa, strict=True)]
+    assert greedy == [True, True, False] and (em, short) == (2 / 3, 3)
+    with torch.no_grad():
+        want = torch.cat([messenger_loss(edge.model, b, edge.split.n_kept, reduction="none") for b in batches])
+    assert nll == pytest.approx(float(want.mean()), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_run, demo_dir, tmp_path_factory):
+    """A state whose round (a step far too large) made the personalized messenger worse than the global one:
+    the device's best is not its latest."""
+    bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
+    root = tmp_path_factory.mktemp("val")
+    args = ["train", "--bundle", bundle, "--data", demo_dir / "units" / "train.jsonl", "--state", root / "s"]
+    res = runner.invoke(
+        edge_app, [*map(str, args), "--out", str(root / "p.pkt"), "--steps", "3", "--lr", "30", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    return bundle, root / "s", json.loads(res.output.strip().splitlines()[-1])
+
+
+def test_train_scores_every_candidate_and_the_state_keeps_the_best(mixed):
+    bundle, state_dir, summary = mixed
+    nll = {k[8:]: v for k, v in summary.items() if k.startswith("val_nll_")}
+    assert set(nll) == {"base", "global", "personalized", "mix_0.25", "mix_0.5", "mix_0.75"}
+    assert summary["val_records"] == 8 and summary["deployed_nll"] == min(nll.values()) < nll["personalized"]
+    state = ClientState.load(state_dir)
+    best = min(nll, key=nll.get)
+    assert state.best_info["nll"] == nll[best] and state.best_info["round"] == 0
+    assert {k: s["nll"] for k, s in state.validation.items()} == nll
+    v = {k: t.float() for k, t in Bundle.load(bundle).messenger_lora().items()}
+    want = {"global": v, "personalized": state.personalized}.get(best) or mix(state.personalized, v, float(best[4:]))
+    assert all(torch.allclose(state.best[k], want[k]) for k in v)
+
+
+def test_infer_and_export_use_the_best_unless_told_and_say_which(mixed, tmp_path):
+    bundle, state_dir, _ = mixed
+    b = Bundle.load(bundle)
+    best, source = personal_messenger(b, state_dir, "best")
+    latest, latest_source = personal_messenger(b, state_dir, "latest")
+    assert source.messenger == "best" and "lowest NLL" in source.choice and latest_source.messenger == "personalized"
+    assert any(not torch.equal(best[k], latest[k]) for k in best)
+    assert not source.same_model(latest_source.to_dict())
+    args = ["infer", "--bundle", str(bundle), "--state", str(state_dir), "--runtime", "torch", "--prompt", "hi"]
+    out = runner.invoke(edge_app, [*args, "--max-new-tokens", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    said = json.loads(out.output.strip().splitlines()[-1])["source"]
+    assert said["messenger"] == "best" and said["choice"] == source.choice
+    out = runner.invoke(edge_app, [*args, "--max-new-tokens", "2"])
+    assert f"messenger: {source.choice}" in " ".join(out.output.split())
+    out = runner.invoke(edge_app, [*args, "--max-new-tokens", "2", "--messenger", "latest", "--json"])
+    assert json.loads(out.output.strip().splitlines()[-1])["source"]["messenger"] == "personalized"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--messenger", "newest"], "--messenger must be one of best, latest, global"),
+        (["--messenger", "latest", "--global"], "--global and --messenger latest disagree"),
+    ],
+)
+def test_a_bad_messenger_choice_is_one_line(mixed, extra, message):
+    bundle, state_dir, _ = mixed
+    args = ["infer", "--bundle", str(bundle), "--state", str(state_dir), "--runtime", "torch", "--prompt", "hi"]
+    out = runner.invoke(edge_app, [*args, *extra])
+    assert out.exit_code != 0 and message in out.output and "Traceback" not in out.output
+
+
+def test_train_refuses_a_bad_val_fraction_before_training(tiny_run, demo_dir, tmp_path):
+    bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
+    args = ["train", "--bundle", bundle, "--data", demo_dir / "units" / "train.jsonl", "--state", tmp_path / "s"]
+    out = runner.invoke(edge_app, [*map(str, args), "--out", str(tmp_path / "p.pkt"), "--val-fraction", "0.9"])
+    assert out.exit_code != 0 and "--val-fraction must be between 0 and 0.5, got 0.9" in out.output
+    assert not (tmp_path / "s" / "current").exists() and not (tmp_path / "p.pkt").exists()
+
+
+def test_without_a_slice_the_state_has_no_best_and_best_means_latest(tiny_run, demo_dir, tmp_path):
+    bundle = tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"
+    args = ["train", "--bundle", bundle, "--data", demo_dir / "units" / "train.jsonl", "--state", tmp_path / "s"]
+    out = runner.invoke(edge_app, [*map(str, args), "--out", str(tmp_path / "p.pkt"), "--steps", "1"])
+    assert out.exit_code == 0
+    (tmp_path / "few.jsonl").write_text("".join((demo_dir / "units" / "train.jsonl").read_text().splitlines(True)[:12]))
+    args[4], args[6] = tmp_path / "few.jsonl", tmp_path / "s2"
+    out = runner.invoke(edge_app, [*map(str, args), "--out", str(tmp_path / "p2.pkt"), "--steps", "1"])
+    assert out.exit_code == 0 and "12 records, fewer than 16: no validation slice" in out.output
+    state = ClientState.load(tmp_path / "s2")
+    assert not state.best and not (tmp_path / "s2" / "current" / BEST_FILE).exists()
+    x, source = personal_messenger(Bundle.load(bundle), tmp_path / "s2", "best")
+    assert source.messenger == "personalized" and "no validation slice" in source.choice
+
+
+def test_a_state_whose_best_file_is_gone_is_refused(mixed, tmp_path):
+    import shutil
+
+    shutil.copytree(mixed[1], tmp_path / "s")
+    (tmp_path / "s" / "current" / BEST_FILE).unlink()
+    with pytest.raises(StateError, match="best.safetensors and state.json's `best` go together"):
+        ClientState.load(tmp_path / "s")
+
+
+def test_the_fleet_report_carries_the_scores_and_the_cloud_logs_them(mixed):
+    summary = mixed[2]
+    report = edge_report(json.dumps(summary))
+    assert {k: v for k, v in summary.items() if k.startswith(("val_", "deployed"))}.items() <= report.items()
+    line = validation_line(report)
+    assert line.startswith(f"deploys {summary['deployed']}: NLL {summary['deployed_nll']:.4f} on 8 held-out records")
+    assert f"personalized {summary['val_nll_personalized']:.4f}" in line and validation_line({"loss_last": 1.0}) is None
+
+
+def test_evaluate_compare_scores_the_deployed_messenger_and_names_it(mixed, demo_dir):
+    bundle, state_dir, _ = mixed
+    args = ["evaluate", "--bundle", bundle, "--state", state_dir, "--data", demo_dir / "units" / "eval.jsonl"]
+    out = runner.invoke(edge_app, [*map(str, args), "--compare", "--limit", "4", "--max-new-tokens", "4", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output.strip().splitlines()[-1])["results"]
+    best = next(r for r in rows if r["messenger"] == "best")
+    info = ClientState.load(state_dir).best_info
+    assert best["deployed"] == f"{info['messenger']} r0" and best["backbone"] == Bundle.load(bundle).manifest.get(
+        "deploy_backbone", "emu"
+    )
+    same = next(r for r in rows if (r["backbone"], r["messenger"]) == (best["backbone"], info["messenger"]))
+    assert best["nll"] == pytest.approx(same["nll"], rel=1e-6)  # the deployed row is that messenger's
