@@ -30,6 +30,8 @@ __all__ = [
     "recover_dir",
     "staging_dir",
     "remove_stale_staging",
+    "sweep_dead_staging",
+    "owner_alive",
     "fsync_dir",
     "fsync_tree",
 ]
@@ -62,11 +64,39 @@ def _umask() -> int:
     return mask
 
 
+def _owner() -> str:
+    """This process as a staging name records it: PID and start time (a PID alone is reused)."""
+    return f"{os.getpid()}-{_start_time(os.getpid())}"
+
+
+def _start_time(pid: int) -> int:
+    """A process's start, in clock ticks since boot (``/proc/PID/stat``, field 22); 0 where there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rpartition(")")[2].split()[19])  # the name in parentheses may hold spaces
+
+
+def owner_alive(owner: str) -> bool:
+    """Is the process that wrote ``PID-START`` still running (the same process, not a reused PID)?"""
+    pid, _, start = owner.partition("-")
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return _start_time(int(pid)) in (int(start), 0)
+
+
 def staging_dir(target: Path) -> Path:
     """A fresh hidden folder beside ``target`` with normal permissions (mkdtemp's 0700 would
-    otherwise stick to the published folder)."""
+    otherwise stick to the published folder), named for its owner: :func:`sweep_dead_staging`
+    removes it once that process is gone (here: every write sweeps its folder first)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    sweep_dead_staging(target.parent)
+    path = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_owner()}.", dir=target.parent))
     path.chmod(0o777 & ~_umask())
     return path
 
@@ -87,7 +117,8 @@ def pending_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Ite
     path = Path(path)
     with named_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        sweep_dead_staging(path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner()}.", suffix=".tmp", dir=path.parent)
     try:
         with named_errors(path):
             os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())
@@ -212,6 +243,27 @@ def remove_stale_staging(root: Path) -> list[Path]:
         else:
             path.unlink(missing_ok=True)
     return stale
+
+
+_OWNED = re.compile(r"\..+\.(\d+-\d+)\.[A-Za-z0-9_]{8}(\.tmp)?")  # .NAME.PID-START.XXXXXXXX[.tmp]
+
+
+def sweep_dead_staging(folder: Path) -> list[Path]:
+    """Remove the staging folders and temp files in ``folder`` whose owner process is gone: a command
+    killed mid-write (``kill -9``) cannot clean up after itself, and the next one that writes there
+    does. A live owner's are never touched; files from before owners were recorded neither, as
+    nothing says whether their writer is alive (a folder's lock holder removes those)."""
+    removed = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        match = _OWNED.fullmatch(path.name)
+        if match is None or owner_alive(match.group(1)):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def recover_dir(target: Path) -> None:

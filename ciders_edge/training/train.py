@@ -10,6 +10,7 @@ CLI call it; the Flower edge calls ``train_round`` directly, since its packet go
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +49,7 @@ def train(
     Path(state_dir).mkdir(parents=True, exist_ok=True)
     with folder_lock(state_dir, "ciders-edge train"):  # one round at a time on a state; cleans up a killed one
         state = ClientState.load(state_dir)
+        sync_log(Path(state_dir), state)  # a train killed after its commit may not have logged its round
         resent = _publish_unsent(Path(state_dir), state, b, Path(out), options.key)
         if resent is not None:
             return resent
@@ -55,13 +57,15 @@ def train(
             raise ConfigError(f"--client-id {options.client_id!r} differs from the state's {state.client_id!r}")
         cid = state.client_id if state is not None else options.client_id or os.uname().nodename
         output = train_round(b, data, state, replace(options, client_id=cid))
+        output.state.round_log = [{"round": b.round, **s} for s in output.result.steps]
         unsent = Path(state_dir) / UNSENT_PACKET
         with pending_bytes(out, output.packet_bytes):  # no packet without its state: published last
             write_bytes(unsent, output.packet_bytes)  # kept with the state until it is published
             output.state.save(state_dir)  # the commit point
             crash_point(f"committed:{Path(state_dir).name}")
         unsent.unlink()
-        _log_steps(Path(state_dir) / METRICS_LOG, [{"round": b.round, **s} for s in output.result.steps])
+        crash_point(f"published:{Path(state_dir).name}")
+        sync_log(Path(state_dir), output.state)
     output.summary.update(packet=str(out), state=str(state_dir))
     return output
 
@@ -90,13 +94,40 @@ def _publish_unsent(
     return RoundOutput(packet, data, state, result, {}, {**summary, "state": str(state_dir)})
 
 
-def _log_steps(path: Path, rows: list[dict]) -> None:
-    """Append the round's steps to the metrics log; the packet and state are out by now, so a log
-    that cannot be written (a full disk) is a notice, not a failed round."""
+def sync_log(state_dir: Path, state: ClientState | None) -> None:
+    """Make the metrics log end with exactly the committed round's lines (kept in the state until then):
+    a train killed after its commit, or mid-append, left them out or cut. The packet and state are out
+    by now, so a log that cannot be written (a full disk) is a notice, not a failed round."""
+    if state is None or not state.round_log:
+        return
+    path = state_dir / METRICS_LOG
     try:
-        append_jsonl(path, rows)
+        tail, start = _round_tail(path, state.round)
+        if tail == state.round_log:
+            return
+        if path.exists():
+            os.truncate(path, start)  # a cut line, or the round's lines in part
+        append_jsonl(path, state.round_log)
     except OSError as err:
         console.print(f"[yellow]notice:[/] {escape(str(err))}; the round's steps are not in the log", soft_wrap=True)
+
+
+def _round_tail(path: Path, round_: int) -> tuple[list[dict], int]:
+    """The log's last whole lines of round ``round_`` and the byte offset where they (or a cut last line) start."""
+    data = path.read_bytes() if path.exists() else b""
+    end = data.rfind(b"\n") + 1  # whatever follows the last newline is a cut line
+    lines, start = data[:end].splitlines(keepends=True), end
+    rows = []
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(row, dict) or row.get("round") != round_:
+            break
+        rows.insert(0, row)
+        start -= len(line)
+    return rows, start
 
 
 def probe(
