@@ -25,7 +25,7 @@ from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.report import load_metrics
 from ciders_cloud.study.round_loop import evaluated_after, run_rounds
 from ciders_cloud.study.simulate import client_ids
-from ciders_cloud.study.snapshots import restore_uncommitted
+from ciders_cloud.study.snapshots import check_resumable, restore_uncommitted
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import write_json
 from ciders_edge.progress import console
@@ -53,6 +53,7 @@ def resume(out: str | Path, rounds: int | None = None, device: str | torch.devic
         if (release := PrivateRelease.of(load_run(study.run.root))) is not None:
             release.check_rounds(cfg.rounds)
         records = _consistent_metrics(study, done)
+        check_resumable(study, client_ids(cfg.clients), done)
         restored = restore_uncommitted(study, done)
         if restored:
             console.print(f"[yellow]notice:[/] round {done} stopped after {len(restored)} trained; it runs again")

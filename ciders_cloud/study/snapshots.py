@@ -12,9 +12,11 @@ import shutil
 from pathlib import Path
 
 from ciders_cloud.run.folder import StudyFolder
+from ciders_edge.errors import StateError
 from ciders_edge.formats.atomic import fsync_dir, staging_dir
+from ciders_edge.formats.client_state import ClientState
 
-__all__ = ["keep_state", "round_committed", "restore_uncommitted"]
+__all__ = ["keep_state", "round_committed", "restore_uncommitted", "check_resumable"]
 
 NO_STATE = "no-state"  # the marker of a client that had no state yet before the round
 
@@ -37,6 +39,22 @@ def keep_state(study: StudyFolder, round_: int, client: str) -> None:
 def round_committed(study: StudyFolder, round_: int) -> None:
     """The cloud committed ``round_``: its kept states are history."""
     shutil.rmtree(study.round_snapshots(round_), ignore_errors=True)
+
+
+def check_resumable(study: StudyFolder, ids: list[str], next_round: int) -> None:
+    """Before a resumed round trains anyone: every state it starts from (a client's kept copy, else its
+    own folder) loads whole (checksums: a damaged or edited copy is named now, not after others retrained),
+    and none already holds the round (its copy from before the round was removed)."""
+    pending = study.round_snapshots(next_round)
+    for cid in ids:
+        kept = pending / cid
+        state = ClientState.load(kept if kept.is_dir() else study.client_state(cid))
+        if state is not None and state.round >= next_round:
+            raise StateError(
+                f"{study.client_state(cid)}: client {cid} holds round {state.round}, which the cloud never "
+                f"aggregated, and its copy from before that round is gone ({pending}); the study cannot run "
+                f"round {next_round} again: put that folder back, or make the study again"
+            )
 
 
 def restore_uncommitted(study: StudyFolder, next_round: int) -> list[str]:

@@ -3,6 +3,7 @@ run straight through would; what it refuses, in one line."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,3 +136,32 @@ def test_a_damaged_study_is_refused_in_one_line(demo_dir, tmp_path, damage, mess
     (out / "metrics.jsonl").write_bytes(b"\n".join([lines[0], lines[1][:20], *lines[2:]]) + b"\n")
     r = runner.invoke(cloud, ["report", "--run", str(out), "--out", str(tmp_path / "report")])
     assert r.exit_code == 1 and "metrics.jsonl, line 2: not a JSON record" in " ".join(r.stderr.split()), r.stderr
+
+
+@pytest.mark.parametrize("damage", ["edited", "removed"])
+def test_a_damaged_or_removed_snapshot_is_refused_before_anyone_trains(demo_dir, tmp_path, straight, damage):
+    """Killed once round 1's clients committed: an edited copy of a state from before the round, or the
+    copies removed, is refused in one line naming it, before any client trains the round again."""
+    out = tmp_path / "sim"
+    simulate(_study(demo_dir, rounds=1), out)
+    order = [r["participants"] for r in _records(straight) if r["type"] == "round" and r["round"] == 1][0]
+    trained = sorted(order)
+    cmd = [sys.executable, "-m", "ciders_cloud", "simulate", "--resume", "--out", str(out), "--rounds", "2"]
+    env = {**os.environ, CRASH_ENV: f"committed:{order[-1]}"}  # the last of the round to train
+    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    kept = out / "snapshots" / "round-0001"
+    if damage == "edited":  # a client that had a state before round 1 (one that trained round 0)
+        target = next(p for c in trained if (p := kept / c / "current" / "consensus.safetensors").exists())
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0x01
+        target.write_bytes(bytes(data))
+        message = f"{target}: client state fails its checksum"
+    else:
+        shutil.rmtree(kept)
+        message = f"client {trained[0]} holds round 1, which the cloud never aggregated"
+    states = {p: p.read_bytes() for p in sorted((out / "clients").rglob("*")) if p.is_file()}
+    r = runner.invoke(cloud, ["simulate", "--resume", "--out", str(out), "--rounds", "2"])
+    assert r.exit_code == 1 and message in " ".join(r.stderr.split()) and "Traceback" not in r.stderr, r.stderr
+    assert {p: p.read_bytes() for p in sorted((out / "clients").rglob("*")) if p.is_file()} == states
+    assert [x["round"] for x in _records(out) if x["type"] == "round"] == [0]
