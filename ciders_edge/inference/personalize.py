@@ -147,12 +147,15 @@ def _trained_state(bundle: Bundle, state_dir: str | Path | None, backbone: str) 
 
 def _why(best: dict, scores: dict) -> str:
     """The best messenger in words, with the scores it won by (state.json's ``best`` and ``validation``)."""
-    what = {"base": "the base model's", "mix": f"a {best.get('alpha')} mixture of the personalized and global"}
-    name = what.get(best["messenger"], f"the {best['messenger']}")
+    kind, of_round = best["messenger"], f" of round {best['round']}"
+    name = {
+        "base": "the base model's messenger layers",
+        "mix": f"a {best.get('alpha')} mixture of the personalized and global messengers{of_round}",
+    }.get(kind, f"the {kind} messenger{of_round}")
     rivals = ", ".join(f"{k} {s['nll']:.4f}" for k, s in scores.items() if k in ("personalized", "global"))
     return (
-        f"{name} messenger of round {best['round']}, lowest NLL {best['nll']:.4f} on {best.get('records', '?')} "
-        f"held-out records in round {best['scored_round']}" + (f" ({rivals})" if rivals else "")
+        f"{name}, lowest NLL {best['nll']:.4f} on {best.get('records', '?')} held-out records in round "
+        f"{best['scored_round']}" + (f" ({rivals})" if rivals else "")
     )
 
 
