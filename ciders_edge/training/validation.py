@@ -51,10 +51,11 @@ def messenger_scores(edge: EdgeModel, batches: list[BackboneBatch]) -> tuple[flo
         logits = messenger_logits(edge.model, b.hidden, b.ctx, edge.split.n_kept, b.positions).float()
         total += float(F.cross_entropy(logits, b.targets, reduction="sum"))
         tokens += b.targets.numel()
-        right, rows = (logits.argmax(-1) == b.targets).cpu(), b.positions[0].cpu()
+        targets, rows = b.targets.cpu(), b.positions[0].cpu()
+        right = logits.argmax(-1).cpu() == targets
         for row in rows.unique():
-            targets, ok = b.targets.cpu()[rows == row], right[rows == row]
-            ends = torch.isin(targets, eos).nonzero()
+            mine = rows == row
+            ends, ok = torch.isin(targets[mine], eos).nonzero(), right[mine]
             if len(ends) and int(ends[0]) < SHORT_ANSWER:  # a whole short answer (not one cut by seq_len)
                 short += 1
                 hits += bool(ok[: int(ends[0]) + 1].all())
