@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from ciders_cloud.models.layers import gap_layers
-from ciders_cloud.models.takd import Distiller, hidden_term
+from ciders_cloud.models.takd import Distiller, adamw, hidden_term
 from ciders_cloud.models.teacher import CloudModels
 from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_edge.data.records import Example, batch_stream
@@ -55,7 +55,7 @@ class LayerAligner:
         self.models, self.cfg, self.steps = models, cfg, steps
         self.layers = gap_layers(models.split)
         self.params = list(gap_parameters(models).values())
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.layer_lr, weight_decay=0.0)
+        self.optimizer = adamw(self.params, cfg.layer_lr, 0.0)
         warmup = min(10, max(steps // 10, 0))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: warmup_cosine(k, steps, warmup))
         pad = models.tokenizer.pad_token_id

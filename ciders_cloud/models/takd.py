@@ -27,9 +27,18 @@ if TYPE_CHECKING:  # the run config checks algorithm names against the strategie
     from ciders_cloud.models.teacher import CloudModels
     from ciders_cloud.run.config import RunConfig, TakdConfig
 
-__all__ = ["hidden_term", "task_term", "takd_loss", "takd_terms", "Distiller", "public_split", "TERMS"]
+__all__ = ["hidden_term", "task_term", "takd_loss", "takd_terms", "Distiller", "adamw", "public_split", "TERMS"]
 
 TERMS = ("loss", "hidden", "kl", "ce")
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW as the cloud trains with it: torch's fused kernel on the CPU and CUDA. The default (foreach)
+    step builds temporaries as large as every parameter at once, 1.6 GiB over the bootstrap's 537M
+    weights at SmolLM2-1.7B; the fused one steps each tensor in place, the same numbers to 2e-7, and
+    runs several times faster on the CPU."""
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 def hidden_term(h_student: Tensor, h_teacher: Tensor, form: str = "relative") -> Tensor:
@@ -163,7 +172,7 @@ class Distiller:
     ) -> None:
         self.models, self.cfg, self.step_count = models, cfg, step
         self.params = params if params is not None else list(lora_parameters(models.emu, BACKBONE_ADAPTER).values())
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr or cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(self.params, lr or cfg.lr, cfg.weight_decay)
         optimizer_from_tensors(self.optimizer, optimizer_state or {})
         pad = models.tokenizer.pad_token_id
         self.batches: Iterator[dict[str, Tensor]] = batch_stream(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ciders_cloud.models.bootstrap import LayerAligner, gap_layers, gap_parameters
 from ciders_cloud.models.fidelity import measure_fidelity
-from ciders_cloud.models.takd import Distiller, hidden_term, public_split, takd_loss, task_term
+from ciders_cloud.models.takd import Distiller, adamw, hidden_term, public_split, takd_loss, task_term
 from ciders_cloud.models.teacher import build_cloud_models, load_cloud_models
 from ciders_cloud.run.config import RunConfig, TakdConfig, load_run
 from ciders_cloud.run.folder import RunFolder
@@ -125,6 +125,23 @@ def test_layer_fits_train_only_the_gap_layers_and_lower_their_loss(tiny_path, de
     assert changed == {1, 2} and set(models.changed_layers()) == set(gap_parameters(models))
     # the full backbone ships the dropped source layers (1, 3, 4) and the sources of the trained ones (2, 5)
     assert {int(k.split(".")[2]) for k in models.full_backbone()} == {1, 2, 3, 4, 5}
+
+
+def test_cloud_adamw_is_the_fused_kernel_and_steps_as_the_reference_one():
+    """The bootstrap and TAKD step with torch's fused AdamW (no temporaries the size of every weight);
+    it must move the weights as the default AdamW does."""
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(64, 48)), torch.nn.Parameter(torch.randn(48))]
+    copies = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    ours, reference = adamw(weights, 1e-2, 0.1), torch.optim.AdamW(copies, lr=1e-2, weight_decay=0.1, foreach=False)
+    assert ours.defaults["fused"] and not reference.defaults["fused"]
+    for _ in range(5):
+        grads = [torch.randn_like(w) for w in weights]
+        for w, c, g in zip(weights, copies, grads, strict=True):
+            w.grad, c.grad = g.clone(), g.clone()
+        ours.step(), reference.step()
+    for w, c in zip(weights, copies, strict=True):
+        assert torch.allclose(w, c, rtol=0, atol=1e-6)
 
 
 def test_fidelity_equals_a_direct_computation(tiny_run):
