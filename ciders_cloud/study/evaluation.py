@@ -158,12 +158,13 @@ def _score_clients(edge: EdgeModel, ids: list[str], scoring: Scoring) -> tuple[l
 
 def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, dict]:
     """Each client's personalized (and the global) messenger on AdapFu, on its own held-out data; with a
-    validation slice (``val_fraction``), the messenger it deploys too (its state's best)."""
+    validation slice (``val_fraction``), the messenger it deploys (its state's best) and the base model
+    (no messenger LoRA) too: what the deployed choice must never be worse than."""
     if not bundle.has_full_backbone:
         return {}
     edge = _on(load_adapfu(bundle), scoring.device)
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
-    key, by_data, scores = scoring.same_data(ids), {}, {}
+    key, by_data, base, scores = scoring.same_data(ids), {}, {}, {}
     for cid in ids:
         if key[cid] not in by_data:
             batches = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
@@ -176,6 +177,10 @@ def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, d
         if state is not None and state.best:
             edge.use_messenger(state.best)
             scores[cid].update(nll_full_deployed=messenger_nll(edge, batches), deployed=state.best_info["messenger"])
+            if key[cid] not in base:
+                edge.use_messenger({k: torch.zeros_like(t) for k, t in v.items()})
+                base[key[cid]] = messenger_nll(edge, batches)
+            scores[cid]["nll_full_base"] = base[key[cid]]
     return scores
 
 

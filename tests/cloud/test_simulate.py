@@ -184,7 +184,8 @@ def test_evaluation_records_the_baseline_and_adapfu(demo_dir, tmp_path):
 
 def test_a_study_with_a_validation_slice_scores_what_each_client_deploys(demo_dir, tmp_path):
     """`--val-fraction`: each client trains as a device does, keeps its best messenger, and the evaluation
-    scores that one on AdapFu beside the latest and the global (a direct computation on the same records)."""
+    scores that one on AdapFu beside the latest, the global and the base model (a direct computation on the
+    same records)."""
     from ciders_edge.data.records import load_examples
     from ciders_edge.formats.bundle import Bundle
     from ciders_edge.formats.client_state import ClientState
@@ -201,6 +202,8 @@ def test_a_study_with_a_validation_slice_scores_what_each_client_deploys(demo_di
         deployed, _ = load_personalized(round1, out / "clients" / cid, "best", backbone="full")
         examples = load_examples(out / "data" / cid / "eval.jsonl", deployed.tokenizer, 512)[: FAST["eval_examples"]]
         assert rec["nll_full_deployed"] == pytest.approx(response_nll(deployed, examples), rel=1e-5)
+        deployed.use_messenger({k: torch.zeros_like(t) for k, t in state.best.items()})  # the base model
+        assert rec["nll_full_base"] == pytest.approx(response_nll(deployed, examples), rel=1e-5)
 
 
 def test_clients_with_the_same_eval_file_are_scored_once_and_alike(demo_dir, tmp_path):
