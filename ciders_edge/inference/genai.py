@@ -5,7 +5,7 @@ numpy, and a full-vocabulary logits copy for every token; GenAI keeps the KV cac
 preallocates for the whole generation and samples in C++, so a step costs what the graph costs.
 GenAI's own default runs ONNX Runtime on one thread; the decoder asks for every core this process
 may use, as llama.cpp does: on the 2-core CPU that doubles its speed, to llama.cpp's at the same
-weight precision (benchmarks/RESULTS.md, "On-device runtimes with llama.cpp").
+weight precision (benchmarks/results/studies/runtimes.md).
 """
 
 from __future__ import annotations
