@@ -23,7 +23,7 @@ from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for, strategy_for
 from ciders_edge.errors import PacketError
-from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.bundle import bundle_id
 from ciders_edge.formats.packet import PROBE_KIND, Packet, PacketHeader, consensus_digest, read_key_file
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.split import layer_of
@@ -209,7 +209,7 @@ def check_round(
     run_dir: Path, run: RunConfig, state: ServerState, received: list[Received], expected: Tensors | None = None
 ) -> RoundHyperparams:
     """:func:`check_packets` against this round's bundles; returns the round's hyperparameters."""
-    bundle_ids = {Bundle.load(RunFolder(run_dir).bundle(p, state.round)).bundle_id: p for p in run.profiles}
+    bundle_ids = {bundle_id(RunFolder(run_dir).bundle(p, state.round)): p for p in run.profiles}
     hp = round_hyperparams_for(run, state.round)
     check_packets(received, state, run, bundle_ids, hp, expected)
     return hp

@@ -10,7 +10,7 @@ from ciders_cloud.run.config import load_run
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import BundleError
-from ciders_edge.formats.bundle import ADAPTER_DIR, Bundle
+from ciders_edge.formats.bundle import ADAPTER_DIR, Bundle, bundle_id
 from ciders_edge.model.adapemu import load_edge_model
 
 
@@ -72,6 +72,22 @@ def test_flipped_byte_is_refused_naming_the_file(tiny_run, tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(BundleError, match=r"messenger\.safetensors: checksum mismatch"):
         Bundle.load(copy)
+
+
+def test_bundle_id_names_the_bundle_without_reading_its_weights(tiny_run, tmp_path):
+    """The cloud matches packets to its own bundles by id: the manifest's hash, as Bundle.load gives it,
+    without hashing every weight file (a changed weight is Bundle.load's to refuse, not the id's)."""
+    import shutil
+
+    copy = tmp_path / "b"
+    shutil.copytree(_bundle_dir(tiny_run), copy)
+    assert bundle_id(copy) == Bundle.load(copy).bundle_id
+    (copy / "messenger.safetensors").write_bytes(b"changed")
+    assert bundle_id(copy) == Bundle.load(_bundle_dir(tiny_run)).bundle_id
+    with pytest.raises(BundleError, match="messenger.safetensors"):
+        Bundle.load(copy)
+    with pytest.raises(BundleError, match="not a bundle"):
+        bundle_id(tmp_path)
 
 
 def test_missing_file_and_bad_manifest(tiny_run, tmp_path):
