@@ -117,9 +117,10 @@ def personal_messenger(
     info = state.best_info
     alpha = f" {info['alpha']:g}" if info.get("alpha") is not None else ""
     source.pick = f"{info['messenger']}{alpha}" + (f" r{info['round']}" if info["messenger"] != "base" else "")
-    if (info["messenger"], info["round"]) == ("personalized", state.round):
-        source.messenger = "personalized"  # the same model as --messenger latest
     source.choice = _why(info, state.validation)
+    if (info["messenger"], info["round"]) == ("personalized", state.round):
+        source.messenger = "personalized"  # the same model as --messenger latest, said once
+        source.choice = f"the best: {_evidence(info, state.validation)}"
     return state.best, source
 
 
@@ -152,9 +153,15 @@ def _why(best: dict, scores: dict) -> str:
         "base": "the base model's messenger layers",
         "mix": f"a {best.get('alpha')} mixture of the personalized and global messengers{of_round}",
     }.get(kind, f"the {kind} messenger{of_round}")
-    rivals = ", ".join(f"{k} {s['nll']:.4f}" for k, s in scores.items() if k in ("personalized", "global"))
-    return (
-        f"{name}, lowest NLL {best['nll']:.4f} on {best.get('records', '?')} held-out records in round "
+    return f"{name}, {_evidence(best, scores)}"
+
+
+def _evidence(best: dict, scores: dict) -> str:
+    """What made ``best`` the best: its NLL on the held-out slice, beside its rivals' that lost."""
+    rivals = ", ".join(
+        f"{k} {s['nll']:.4f}" for k, s in scores.items() if k in ("personalized", "global") and k != best["messenger"]
+    )
+    return f"lowest NLL {best['nll']:.4f} on {best.get('records', '?')} held-out records in round " + (
         f"{best['scored_round']}" + (f" ({rivals})" if rivals else "")
     )
 

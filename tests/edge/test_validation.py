@@ -210,3 +210,15 @@ def test_evaluate_compare_scores_the_deployed_messenger_and_names_it(mixed, demo
     )
     same = next(r for r in rows if (r["backbone"], r["messenger"]) == (best["backbone"], info["messenger"]))
     assert best["nll"] == pytest.approx(same["nll"], rel=1e-6)  # the deployed row is that messenger's
+
+
+def test_the_choice_names_the_rivals_it_beat_not_itself():
+    from ciders_edge.inference.personalize import _why
+
+    scores = {"personalized": {"nll": 0.0552}, "global": {"nll": 0.4429}, "mix_0.5": {"nll": 0.121}}
+    best = {"messenger": "personalized", "round": 0, "nll": 0.0552, "records": 20, "scored_round": 0}
+    assert _why(best, scores) == (
+        "the personalized messenger of round 0, lowest NLL 0.0552 on 20 held-out records in round 0 (global 0.4429)"
+    )
+    mixed = {**best, "messenger": "mix", "alpha": 0.75, "nll": 0.04}
+    assert _why(mixed, scores).endswith("in round 0 (personalized 0.0552, global 0.4429)")
