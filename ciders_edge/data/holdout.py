@@ -28,26 +28,29 @@ def check_val_fraction(fraction: float) -> float:
 
 
 def validation_size(records: int, fraction: float) -> int:
-    """How many records the slice holds: ``fraction`` of them, at least 8 and at most 128; none
-    below 16 records (or at fraction 0)."""
+    """How many distinct records the slice holds: ``fraction`` of them, at least 8 and at most 128; none
+    below 16 distinct records (or at fraction 0)."""
     if fraction <= 0 or records < VAL_FLOOR:
         return 0
     return min(max(round(fraction * records), VAL_MIN), VAL_MAX)
 
 
 def hold_out(examples: list[Example], fraction: float, where: str = "") -> tuple[list[Example], list[Example]]:
-    """(train, validation): the records with the smallest content hashes form the slice, so it is the
-    same every round; copies of one record land on the same side (none is trained on and scored)."""
-    n = validation_size(len(examples), check_val_fraction(fraction))
+    """(train, validation): the distinct records with the smallest content hashes form the slice, the same
+    every round. Each counts once, however often the data repeats it: generated data can hold a record a
+    dozen times, and a slice of its copies would score a few records and choose by them. Every copy of a
+    held-out record stays out of training (none is trained on and scored)."""
+    first: dict[str, Example] = {}
+    for e in examples:
+        first.setdefault(e.key, e)
+    n = validation_size(len(first), check_val_fraction(fraction))
     if fraction > 0 and n == 0:
         console.print(
-            f"[yellow]notice:[/] {where}{len(examples)} records, fewer than {VAL_FLOOR}: no validation slice; "
-            "the device deploys its latest personalized messenger",
+            f"[yellow]notice:[/] {where}{len(first)} distinct records, fewer than {VAL_FLOOR}: no validation "
+            "slice; the device deploys its latest personalized messenger",
             highlight=False,
             soft_wrap=True,
         )
-    ranked = sorted(examples, key=lambda e: e.key)
-    cut = ranked[n - 1].key if n else None
-    val = [e for e in ranked if cut is not None and e.key <= cut]
+    val = [first[k] for k in sorted(first)[:n]]
     keys = {e.key for e in val}
     return [e for e in examples if e.key not in keys], val

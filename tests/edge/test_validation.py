@@ -42,12 +42,13 @@ def test_the_slice_is_the_same_whatever_the_order_and_never_trained_on():
     assert not {e.key for e in val} & {e.key for e in train}
 
 
-def test_copies_of_a_record_land_on_the_same_side():
+def test_copies_of_a_record_land_on_the_same_side_and_count_once():
     examples = _examples(40)
     _, val = hold_out(examples, 0.1)
-    copies = examples + [Example([0], [0], key=e.key) for e in val]  # every held-out record twice
+    copies = examples + [Example([0], [0], key=e.key) for e in val for _ in range(11)]  # each held-out one 12 times
     train, val2 = hold_out(copies, 0.1)
     assert not {e.key for e in train} & {e.key for e in val2}
+    assert [e.key for e in val2] == [e.key for e in val] and len(train) == 40 - len(val)  # 8 records, not 8 copies
 
 
 def test_the_record_key_is_its_content_not_its_place(demo_dir, tokenizer, tmp_path):
@@ -172,7 +173,7 @@ def test_without_a_slice_the_state_has_no_best_and_best_means_latest(tiny_run, d
     (tmp_path / "few.jsonl").write_text("".join((demo_dir / "units" / "train.jsonl").read_text().splitlines(True)[:12]))
     args[4], args[6] = tmp_path / "few.jsonl", tmp_path / "s2"
     out = runner.invoke(edge_app, [*map(str, args), "--out", str(tmp_path / "p2.pkt"), "--steps", "1"])
-    assert out.exit_code == 0 and "12 records, fewer than 16: no validation slice" in out.output
+    assert out.exit_code == 0 and "12 distinct records, fewer than 16: no validation slice" in out.output
     state = ClientState.load(tmp_path / "s2")
     assert not state.best and not (tmp_path / "s2" / "current" / BEST_FILE).exists()
     x, source = personal_messenger(Bundle.load(bundle), tmp_path / "s2", "best")
