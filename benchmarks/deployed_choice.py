@@ -25,7 +25,7 @@ from pathlib import Path
 from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, write_results  # noqa: E402
+from common import write_results  # noqa: E402
 from long_run import _metrics, grow, study_config  # noqa: E402
 
 SETTINGS = ("partial", "c0.1")
