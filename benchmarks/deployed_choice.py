@@ -9,7 +9,7 @@ CIDERS-FO with the round defaults, each client training as a device does: a vali
 records held out (``--val-fraction``), the best messenger on it kept (:mod:`ciders_edge.training.validation`).
 Each evaluation scores, on every client's held-out eval set and on AdapFu (the backbone ``rpi5-8gb``
 deploys), the messenger the client deploys beside its latest personalized one, the global one and the base
-model. Studies grow ``--step`` rounds a pass with ``simulate --resume`` (``long_run.grow``); after each pass
+model. Studies grow ``--step`` rounds a pass with ``simulate --resume`` (``long_run.grow_in_passes``); after each pass
 ``results/deployed_choice.{json,md}`` hold every evaluated round and the issue's two targets:
 - the deployed choice within ``--tolerance`` nats of the better of {latest personalized, global} on at
   least 90% of the clients that deploy one (a client never sampled has no state and runs the global one);
@@ -26,7 +26,7 @@ from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
-from long_run import _metrics, grow, study_config  # noqa: E402
+from long_run import _metrics, grow_in_passes, study_config  # noqa: E402
 
 SETTINGS = ("partial", "c0.1")
 ALGORITHM = "ciders-fo"
@@ -117,13 +117,11 @@ def main() -> None:
         from ciders_edge.cli_utils import quiet_libraries
 
         quiet_libraries()
-        for target in range(min(args.step, args.rounds), args.rounds + args.step, args.step):
-            grew = False
-            for setting in args.settings.split(","):
-                cfg = study_config(setting, ALGORITHM, args).replace(val_fraction=args.val_fraction)
-                grew |= grow(cfg, args.out / setting / ALGORITHM, min(target, args.rounds), args.device)
-            if grew:
-                report(args)
+        studies = [
+            (study_config(s, ALGORITHM, args).replace(val_fraction=args.val_fraction), args.out / s / ALGORITHM)
+            for s in args.settings.split(",")
+        ]
+        grow_in_passes(studies, args.rounds, args.step, args.device, lambda: report(args))
     report(args)
 
 

@@ -170,6 +170,18 @@ def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> bool:
     return after > before
 
 
+def grow_in_passes(studies: list, rounds: int, step: int, device: str, after_pass) -> None:
+    """Grow every (config, folder) of ``studies`` ``step`` rounds a pass until ``rounds``, all to the same
+    round before any goes further (a stop loses at most the round in flight); ``after_pass()`` after each
+    pass that ran a round."""
+    for target in range(min(step, rounds), rounds + step, step):
+        grew = False
+        for cfg, out in studies:
+            grew |= grow(cfg, out, min(target, rounds), device)
+        if grew:
+            after_pass()
+
+
 def _sources(out: Path) -> list[dict]:
     """The calls that grew a study, oldest first (a study grown before they were listed has its last one)."""
     if not (out / SOURCE).is_file():
@@ -446,14 +458,13 @@ def main() -> None:
         from ciders_edge.cli_utils import quiet_libraries
 
         quiet_libraries()
-        for target in range(min(args.step, args.rounds), args.rounds + args.step, args.step):
-            grew = False
-            for setting in args.settings.split(","):
-                for algorithm in args.algorithms.split(","):
-                    out = args.out / setting / algorithm
-                    grew |= grow(study_config(setting, algorithm, args), out, min(target, args.rounds), args.device)
-            if grew and not args.no_report:
-                report(args)  # after every pass that ran a round: the results so far
+        studies = [
+            (study_config(setting, algorithm, args), args.out / setting / algorithm)
+            for setting in args.settings.split(",")
+            for algorithm in args.algorithms.split(",")
+        ]
+        after_pass = (lambda: None) if args.no_report else (lambda: report(args))  # the results so far
+        grow_in_passes(studies, args.rounds, args.step, args.device, after_pass)
     if args.report_only or not args.no_report:
         report(args)
 
