@@ -25,6 +25,7 @@ from ciders_edge.formats.atomic import fsync_tree, named_errors, replace_dir, st
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.export_folder import FORMAT as EXPORT_FORMAT
 from ciders_edge.formats.export_folder import FORMATS, MANIFEST, QUANTIZATIONS, Export, export_manifest
+from ciders_edge.inference.exported import load_exported_model
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, resolve_backbone
 from export.check import all_logits, check_inputs, compare_logits
 from export.genai import check_genai, save_genai
@@ -89,7 +90,7 @@ def export_model(
             elif fmt == "peft":  # the adapter, read back by PEFT, over the very base weights it ran on
                 exported = peft_model(staging, base)
             else:
-                exported = Export(staging, manifest).load_model()
+                exported = load_exported_model(Export(staging, manifest))
             check = compare_logits(inputs, reference, all_logits(exported, inputs))
         manifest["check"] = check
         with named_errors(out):

@@ -24,6 +24,7 @@ from ciders_edge.inference.compiled_decode import (
     decodes_compiled,
     use_compiled_decode,
 )
+from ciders_edge.inference.exported import load_exported_model, load_exported_tokenizer
 from ciders_edge.inference.generation import context_length
 from ciders_edge.inference.personalize import (
     Source,
@@ -114,20 +115,24 @@ def open_runtime(
     if runtime == "llamacpp":
         return _llamacpp(exp)
     providers = resolve_providers(profile.execution_providers if profile else []) if runtime == "onnx" else []
-    model = exp.load_model(providers)
+    model = load_exported_model(exp, providers)
     if runtime == "torch":
         model.to(pick_device(profile))
         _set_decode(model, profile, decode)
     if runtime == "genai":
-        return Runtime(exp.runtime, model, exp.load_tokenizer(), model.context, exp.source, ["CPUExecutionProvider"])
-    return Runtime(exp.runtime, model, exp.load_tokenizer(), context_length(model.config), exp.source, providers)
+        return Runtime(
+            exp.runtime, model, load_exported_tokenizer(exp), model.context, exp.source, ["CPUExecutionProvider"]
+        )
+    return Runtime(
+        exp.runtime, model, load_exported_tokenizer(exp), context_length(model.config), exp.source, providers
+    )
 
 
 def _llamacpp(exp: Export) -> Runtime:
     from ciders_edge.inference.llamacpp import LlamaCppDecoder
 
     model, adapter = exp.gguf_files()
-    tokenizer = exp.load_tokenizer()
+    tokenizer = load_exported_tokenizer(exp)
     decoder = LlamaCppDecoder(model, adapter, {tokenizer.eos_token_id})
     return Runtime(exp.runtime, decoder, tokenizer, decoder.context, exp.source)
 

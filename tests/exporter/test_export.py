@@ -19,6 +19,7 @@ from ciders_edge.errors import ConfigError, DataError, ExportError, StateError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.export_folder import ONNX_FILE, Export
+from ciders_edge.inference.exported import load_exported_model
 from ciders_edge.inference.generation import GenerationSettings, encode_prompt, generate
 from ciders_edge.inference.personalize import load_personalized, merge_messenger, personal_messenger
 from ciders_edge.inference.providers import resolve_providers
@@ -87,7 +88,7 @@ def test_onnx_logits_match_the_adapemu(exports, reference):
     inputs, ref = reference
     exp = Export.load(exports["onnx"]["out"])
     assert exp.runtime == "onnx" and exp.source["messenger"] == "personalized"
-    cmp = compare_logits(inputs, ref, all_logits(exp.load_model(), inputs))
+    cmp = compare_logits(inputs, ref, all_logits(load_exported_model(exp), inputs))
     assert cmp["max_abs_logit_diff"] < 1e-3
     assert cmp == pytest.approx(exp.manifest["check"])
 
@@ -113,7 +114,7 @@ def test_int8_agrees_with_fp32_and_quantizes_every_linear(exports, reference):
 
     inputs, ref = reference
     exp = Export.load(exports["onnx-int8"]["out"])
-    cmp = compare_logits(inputs, ref, all_logits(exp.load_model(), inputs))
+    cmp = compare_logits(inputs, ref, all_logits(load_exported_model(exp), inputs))
     assert cmp["greedy_agreement"] >= 0.95
     ops = [n.op_type for n in onnx.load(exp.path / ONNX_FILE).graph.node]
     layers = 5  # the AdapEmu of the tiny run: 3 kept backbone layers + a 2-layer messenger

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from ciders_edge.cli import app as edge_app
 from ciders_edge.errors import ConfigError, ExportError
 from ciders_edge.formats.export_folder import GENAI_CONFIG, MANIFEST, ONNX_FILE, Export
+from ciders_edge.inference.exported import load_exported_tokenizer
 from ciders_edge.inference.genai import GenAIDecoder
 from ciders_edge.inference.generation import GenerationSettings, TokenDecoder, encode_prompt, generate
 from ciders_edge.inference.runtime import open_runtime
@@ -184,7 +185,7 @@ def test_stops_at_the_end_of_turn_and_honours_min_new_tokens(genai, tmp_path):
     src = genai["none"]["out"]
     exp = Export.load(src)
     cfg = json.loads((exp.path / GENAI_CONFIG).read_text())
-    assert exp.load_tokenizer().eos_token_id in cfg["model"]["eos_token_id"]
+    assert load_exported_tokenizer(exp).eos_token_id in cfg["model"]["eos_token_id"]
     free = GenerationSettings(max_new_tokens=12)
     tokens = list(GenAIDecoder.open(exp.path, exp.manifest["files"]).stream_tokens(_prompt_ids(exp), free))
     k = max(i for i, t in enumerate(tokens) if t not in tokens[:i])  # its first occurrence
@@ -246,4 +247,4 @@ def test_cli_infer_runs_a_genai_export_as_one_line_on_damage(genai, tmp_path):
 
 
 def _prompt_ids(exp: Export) -> list[int]:
-    return encode_prompt(exp.load_tokenizer(), PROMPT, 1024, 12)[0].tolist()
+    return encode_prompt(load_exported_tokenizer(exp), PROMPT, 1024, 12)[0].tolist()
