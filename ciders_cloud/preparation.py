@@ -14,17 +14,18 @@ import torch
 from ciders_cloud.models.backbones import backbone_part, label, pack, tagged
 from ciders_cloud.models.bootstrap import bootstrap
 from ciders_cloud.models.device import cloud_device
-from ciders_cloud.models.fidelity import Fidelity, measure_fidelity
+from ciders_cloud.models.fidelity import Fidelity, fidelity_record, measure_fidelity
 from ciders_cloud.models.source import teacher_dtype
 from ciders_cloud.models.takd import TERMS, Distiller, public_split
 from ciders_cloud.models.teacher import CloudModels, build_backbones, load_cloud_models
-from ciders_cloud.privacy import PrivateRelease
+from ciders_cloud.privacy import PrivateRelease, with_noise
 from ciders_cloud.round.bundles import deployments, write_bundles
 from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.lock import claim_new_run
-from ciders_cloud.run.logs import fidelity_record, write_round_log
+from ciders_cloud.run.logs import write_round_log
 from ciders_cloud.run.server_state import ServerState
+from ciders_cloud.strategies import check_run
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import append_jsonl, staging_dir, write_json, write_safetensors
 from ciders_edge.formats.checksums import sha256_file
@@ -45,9 +46,10 @@ def prepare(run: RunConfig, out: str | Path, device: str | torch.device = "cpu")
         device: where TAKD and fidelity run (``auto``, ``cpu``, ``cuda``); not part of the run.
 
     Raises:
-        ConfigError: ``out`` exists, a profile is unknown, the model does not fit a profile, or
-            ``device`` is not here.
+        ConfigError: ``out`` exists, a profile is unknown, the model does not fit a profile, the
+            algorithm cannot serve the run, or ``device`` is not here.
     """
+    run = with_noise(check_run(run))  # before any work: refused in one line, or epsilon's noise solved
     device = cloud_device(device)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

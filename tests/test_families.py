@@ -18,6 +18,7 @@ from ciders_edge.data.records import collate, load_examples
 from ciders_edge.errors import ExportError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.export_folder import Export
+from ciders_edge.inference.exported import load_exported_tokenizer
 from ciders_edge.inference.generation import GenerationSettings
 from ciders_edge.inference.infer import answer
 from ciders_edge.inference.runtime import open_runtime
@@ -191,7 +192,7 @@ def test_llama_cpp_runs_each_familys_ggufs(name, llama_cpp, family_run):
     """llama.cpp's own loader takes the merged GGUF and the adapter on its base, and computes what
     transformers computes from the same files (metadata, names, norms, rope, window pattern all right)."""
     r = family_run(name)
-    ids = check_inputs(Export.load(r["hf"]["out"]).load_tokenizer())[0][0].tolist()
+    ids = check_inputs(load_exported_tokenizer(Export.load(r["hf"]["out"])))[0][0].tolist()
     assert len(ids) > 40  # past the 16-token window
     for key, backbone in (("gguf-adapter", "full"), ("gguf-merged", "emu")):
         exp = Export.load(r[key]["out"])

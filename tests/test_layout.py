@@ -1,6 +1,7 @@
 """The architecture the folders promise: the edge runtime stands alone, imports flow one way, modules stay small."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,9 @@ def test_the_cloud_uses_only_the_edges_public_parts():
 
 
 def test_module_imports_have_no_cycle():
-    graph = {mod: _imports(path, top_level_only=True) - {mod} for mod, path in MODULES.items()}
+    """Imports inside functions count too: a circle that only a deferred import keeps from failing at
+    load time is still two modules that cannot be read, tested or moved apart."""
+    graph = {mod: _imports(path, top_level_only=False) - {mod} for mod, path in MODULES.items()}
     done, path = set(), []
 
     def visit(mod: str) -> None:
@@ -85,6 +88,34 @@ def test_module_imports_have_no_cycle():
 
     for mod in sorted(graph):
         visit(mod)
+
+
+def _cloud_floors() -> list[str]:
+    """docs/layout.md's floor order of the cloud, bottom first: the line ``Floors, bottom up: `a` → `b` …``."""
+    line = next(ln for ln in (ROOT / "docs" / "layout.md").read_text().splitlines() if ln.startswith("Floors,"))
+    return re.findall(r"`(\w+)`", line)
+
+
+def test_the_cloud_imports_only_down_its_floors():
+    """Each cloud subpackage imports only those below it in docs/layout.md's order (``run/`` is the ground
+    floor: data and their checks), so a job can be read and tested with nothing above it loaded."""
+    floors = _cloud_floors()
+    # every package of code (presets/ holds TOML files) and the preparation module
+    packages = {p.parent.name for p in (ROOT / "ciders_cloud").glob("*/__init__.py")} - {"presets"}
+    assert packages | {"preparation"} == set(floors), "docs/layout.md's floors name every cloud subpackage"
+
+    def floor(mod: str) -> int | None:
+        parts = mod.split(".")
+        return floors.index(parts[1]) if parts[0] == "ciders_cloud" and len(parts) > 1 and parts[1] in floors else None
+
+    upward = [
+        f"{mod} -> {dep}"
+        for mod, path in MODULES.items()
+        if (here := floor(mod)) is not None
+        for dep in sorted(_imports(path, top_level_only=False))
+        if (there := floor(dep)) is not None and there > here
+    ]
+    assert upward == []
 
 
 def test_modules_stay_small():

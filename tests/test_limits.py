@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
+from ciders_cloud.cli.config_file import ConfigFile
 from ciders_cloud.run.config import RunConfig, TakdConfig
-from ciders_cloud.run.config_file import ConfigFile
 from ciders_cloud.study.config import SimConfig
 from ciders_edge.cli import app as edge
 from ciders_edge.config import ConfigMixin

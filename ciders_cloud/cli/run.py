@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ciders_cloud.cli.config_file import merge_config
 from ciders_cloud.cli.privacy import (
     DpClipOnOpt,
     DpClipOpt,
@@ -18,13 +19,7 @@ from ciders_cloud.cli.privacy import (
     dp_table,
     epsilon_text,
 )
-from ciders_cloud.models.device import cloud_device
-from ciders_cloud.models.fidelity import Fidelity
-from ciders_cloud.prepare import distill as distill_run
-from ciders_cloud.prepare import prepare as prepare_run
-from ciders_cloud.round.aggregate import aggregate_files
 from ciders_cloud.run.config import RunConfig, TakdConfig
-from ciders_cloud.run.config_file import merge_config
 from ciders_cloud.run.lock import run_lock
 from ciders_cloud.run.splits import fleet_split
 from ciders_edge.cli_utils import JsonOpt, key_table, print_table, run_command
@@ -40,7 +35,7 @@ __all__ = ["prepare", "distill", "aggregate", "locked", "DeviceOpt"]
 DeviceOpt = Annotated[
     str,
     typer.Option(
-        help="Where the cloud's torch work runs (TAKD, fidelity, FedNest's Hessian products, simulate's evaluation):"
+        help="Where the cloud's torch work runs (TAKD, fidelity, a strategy's Hessian products, simulate's evaluation):"
         " auto (CUDA when present), cpu or cuda."
     ),
 ]
@@ -105,6 +100,9 @@ def prepare(
     """Split the model (Algorithm 1), align the learnable backbone by TAKD, write one bundle per profile."""
 
     def body() -> dict:
+        from ciders_cloud.models.device import cloud_device  # the model stack loads when a command runs, not for --help
+        from ciders_cloud.preparation import prepare as prepare_run
+
         where = cloud_device(device)  # refused before anything is read or written
         flags = {
             "model": model,
@@ -162,6 +160,9 @@ def distill(
 
     def body() -> dict:
         check_limit("steps", steps, "--steps")
+        from ciders_cloud.models.device import cloud_device
+        from ciders_cloud.preparation import distill as distill_run
+
         where = cloud_device(device)  # refused before the run is locked or read
         return locked(run, "distill", lambda: distill_run(run, steps, where))()
 
@@ -177,6 +178,8 @@ def aggregate(
     """Close one round: check the packets, reconstruct and aggregate (eq. 11–12), TAKD (eq. 13), ship bundles."""
 
     def render(s: dict) -> None:
+        from ciders_cloud.models.fidelity import Fidelity
+
         if s.get("already_aggregated"):
             console.print(f"[yellow]round {s['round']} was already aggregated with these packets[/]")
         console.print(
@@ -194,6 +197,9 @@ def aggregate(
             )
 
     def body() -> dict:
+        from ciders_cloud.models.device import cloud_device
+        from ciders_cloud.round.aggregate import aggregate_files
+
         where = cloud_device(device)  # refused before the run is locked or read
         return locked(run, "aggregate", lambda: aggregate_files(run, packets, where))()
 
@@ -201,6 +207,8 @@ def aggregate(
 
 
 def _render(s: dict) -> None:
+    from ciders_cloud.models.fidelity import Fidelity  # loaded by the command that made ``s``
+
     rows = [("model", f"{s['model']} ({s['n']} layers, messenger {s['messenger_depth']})")]
     reference = (
         f" (drop{s['profile_splits'][next(iter(s['profile_splits']))]['drop_ratio']:g})" if s.get("backbones") else ""

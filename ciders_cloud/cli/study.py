@@ -7,15 +7,11 @@ from typing import Annotated
 
 import typer
 
+from ciders_cloud.cli.config_file import merge_config
 from ciders_cloud.cli.privacy import DpClipOnOpt, DpClipOpt, DpDeltaOpt, DpEpsilonOpt, DpNoiseOpt, SamplingOpt, dp_table
 from ciders_cloud.cli.run import DeviceOpt
-from ciders_cloud.models.device import cloud_device
-from ciders_cloud.run.config_file import merge_config
 from ciders_cloud.strategies import STRATEGIES
 from ciders_cloud.study.config import SimConfig, parse_profile_mix
-from ciders_cloud.study.report import report as report_runs
-from ciders_cloud.study.resume import resume as resume_run
-from ciders_cloud.study.simulate import simulate as simulate_run
 from ciders_edge.cli_utils import JsonOpt, run_command
 from ciders_edge.config import check_limit
 from ciders_edge.data.demo import write_demo_data
@@ -94,6 +90,10 @@ def simulate(
     """Simulate the cloud and N edges in one process, through the same code as the CLIs."""
 
     def body() -> dict:
+        from ciders_cloud.models.device import cloud_device  # the model stack loads when a study runs
+        from ciders_cloud.study.resume import resume as resume_run
+        from ciders_cloud.study.simulate import simulate as simulate_run
+
         where = cloud_device(device)  # refused before anything is read or written
         flags = {
             "model": model,
@@ -158,6 +158,8 @@ def report(
     as_json: JsonOpt = False,
 ) -> None:
     """Plot loss, E-RAE, NLL, bytes and S-DR/S-PPR against gamma; write a markdown comparison."""
+    from ciders_cloud.study.report import report as report_runs  # matplotlib loads for a report only
+
     run_command(
         lambda: report_runs(run, out),
         as_json,

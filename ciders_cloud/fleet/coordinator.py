@@ -20,11 +20,12 @@ from cryptography.hazmat.primitives import serialization
 
 from ciders_cloud.fleet.secure import CLIP_RANGE
 from ciders_cloud.models.layers import ProfileLayers
-from ciders_cloud.round.aggregate import aggregate_packets, aggregate_secure
+from ciders_cloud.round.aggregate import aggregate_packets
 from ciders_cloud.round.intake import CLIENT_ID, check_packets, read_packets
-from ciders_cloud.round.sampling import sample_clients
+from ciders_cloud.round.secure import aggregate_secure
 from ciders_cloud.run.config import load_run
 from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.sampling import sample_clients
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for
 from ciders_edge.errors import CidersError, ConfigError, PacketError

@@ -28,7 +28,7 @@ from ciders_cloud.privacy import PrivateRelease
 from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import CertsFolder, RunFolder
 from ciders_cloud.run.server_state import ServerState
-from ciders_cloud.strategies import strategy_for
+from ciders_cloud.strategies import check_run
 from ciders_edge.config import check_limit
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.lifetime import guarded
@@ -90,8 +90,10 @@ class ServeSettings:
 
 
 def check_aggregation(run: RunConfig, state: ServerState, opts: ServeSettings) -> None:
-    """Refuse a secure-aggregation setting the run cannot take, in one line, before anything starts."""
+    """Refuse, in one line and before anything starts, a run the fleet cannot serve: one whose algorithm
+    refuses a fleet or a secure sum, or a secure-aggregation setting the run cannot take."""
     state.check_mode(opts.secure_aggregation, opts.run_dir)
+    check_run(run, fleet=True, secure=opts.secure_aggregation)  # the algorithm's own refusal
     if not opts.secure_aggregation:
         return
     if opts.min_clients < MIN_EDGES:
@@ -102,8 +104,6 @@ def check_aggregation(run: RunConfig, state: ServerState, opts: ServeSettings) -
     why = None
     if run.is_mixed:
         why = "profiles that train different messenger layers (the edges' vectors would differ in shape)"
-    elif strategy_for(run).needs_probe or not strategy_for(run).private:
-        why = f"{run.algorithm} (its cloud step reads each client's own values, or sums nothing)"
     elif (dp := run.privacy) is not None and dp.clip_on != "edge":
         why = "differential privacy clipped on the cloud, which sees no displacement: prepare with --dp-clip-on edge"
     if why is not None:

@@ -1,4 +1,4 @@
-"""Where the cloud's torch work runs (``--device auto|cpu|cuda``): TAKD, fidelity, FedNest's Hessian
+"""Where the cloud's torch work runs (``--device auto|cpu|cuda``): TAKD, fidelity, a strategy's Hessian
 products and a study's evaluation.
 
 The device is a runtime choice, not part of a run: it is never stored in ``run.json``, the run's id or

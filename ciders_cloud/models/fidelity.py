@@ -19,7 +19,7 @@ from ciders_edge.config import ConfigMixin
 from ciders_edge.data.records import Example, collate
 from ciders_edge.model.forward import backbone_hidden, messenger_logits, response_positions
 
-__all__ = ["Fidelity", "measure_fidelity"]
+__all__ = ["Fidelity", "measure_fidelity", "fidelity_record"]
 
 
 @dataclass
@@ -71,3 +71,8 @@ def measure_fidelity(models: CloudModels, examples: list[Example], batch_size: i
         len(examples),
         tokens,
     )
+
+
+def fidelity_record(round_: int, takd_step: int, fidelity: Fidelity | None) -> dict:
+    """The distill log's record of the emulator's fidelity as round ``round_`` starts (``run/logs.py``)."""
+    return {"type": "fidelity", "round": round_, "takd_step": takd_step, **(fidelity.to_dict() if fidelity else {})}

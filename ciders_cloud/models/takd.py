@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from ciders_cloud.models.teacher import CloudModels
+from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_cloud.run.server_state import optimizer_from_tensors, optimizer_to_tensors
 from ciders_edge.data.records import IGNORE, Example, batch_stream, load_examples
 from ciders_edge.model.forward import Recompute, backbone_hidden, messenger_logits
 from ciders_edge.model.lora import BACKBONE_ADAPTER, lora_parameters, set_trainable
 from ciders_edge.progress import progress_bar
-
-if TYPE_CHECKING:  # the run config checks algorithm names against the strategies, whose FedNest uses TAKD's loss
-    from ciders_cloud.models.teacher import CloudModels
-    from ciders_cloud.run.config import RunConfig, TakdConfig
 
 __all__ = ["hidden_term", "task_term", "takd_loss", "takd_terms", "Distiller", "adamw", "public_split", "TERMS"]
 

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 import dp_accounting
 from dp_accounting import rdp
 
-from ciders_cloud.privacy.settings import MAX_NOISE, MIN_NOISE, PrivacySettings
-from ciders_cloud.round.sampling import sampled_count
+from ciders_cloud.run.dp_settings import MAX_NOISE, MIN_NOISE, PrivacySettings
+from ciders_cloud.run.sampling import sampled_count
 from ciders_edge.errors import ConfigError
 
 __all__ = ["PrivacySpent", "privacy_spent", "solve_noise_multiplier", "epsilon", "dp_event", "max_rounds", "MAX_NOISE"]

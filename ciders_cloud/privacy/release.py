@@ -4,18 +4,25 @@ uniform weights, and the noisy mean that eq. (12) then takes (docs/privacy.md)."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ciders_cloud.privacy.accountant import PrivacySpent, max_rounds, privacy_spent
+from ciders_cloud.privacy.accountant import PrivacySpent, max_rounds, privacy_spent, solve_noise_multiplier
 from ciders_cloud.privacy.mechanism import GaussianMechanism
-from ciders_cloud.privacy.settings import PrivacySettings
-from ciders_cloud.round.sampling import sampled_count
+from ciders_cloud.run.config import RunConfig
+from ciders_cloud.run.dp_settings import PrivacySettings
+from ciders_cloud.run.sampling import sampled_count
 from ciders_edge.errors import CidersError, ConfigError, PacketError
 
-if TYPE_CHECKING:
-    from ciders_cloud.run.config import RunConfig
+__all__ = ["PrivateRelease", "BudgetError", "with_noise"]
 
-__all__ = ["PrivateRelease", "BudgetError"]
+
+def with_noise(run: RunConfig) -> RunConfig:
+    """``run`` with a target epsilon turned into the noise multiplier that spends it over the planned
+    rounds: solved once, where a run is made, and kept in run.json."""
+    dp = run.privacy
+    if dp is None or dp.noise_multiplier is not None:
+        return run
+    z = solve_noise_multiplier(dp, run.sampling, run.participation, len(run.client_ids))
+    return run.replace(dp={**run.dp, "noise_multiplier": z})
 
 
 class BudgetError(CidersError, ValueError):

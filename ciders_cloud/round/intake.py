@@ -90,7 +90,7 @@ def check_packets(
     repeated client, of the wrong shapes or layers, or not finite; set each one's ``profile`` and
     ``dc``. ``bundle_ids`` maps this round's bundle ids to their profiles. ``expected`` names the
     tensors a packet must hold (default: the messenger LoRA's of the layers its profile trains, and
-    what the strategy adds: LFedNest's grad_y f_i)."""
+    what the strategy adds, :meth:`Strategy.packet_tensors`)."""
     layers = ProfileLayers.of(run, state)
     extra = strategy_for(run).packet_tensors(state)
     seen: set[str] = set()

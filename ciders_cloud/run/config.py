@@ -1,5 +1,8 @@
 """The cloud's configurations: the run's (``RUN/run.json``) and its TAKD (a study's: :mod:`ciders_cloud.study.config`).
 
+Data and their range checks, on the cloud's ground floor: what needs an algorithm (its name, its
+settings, whether it can run privately) is checked by the strategy (:func:`ciders_cloud.strategies.check_run`),
+and a target epsilon becomes a noise multiplier where runs are made (:func:`ciders_cloud.privacy.with_noise`).
 One word, one meaning: ``clients`` is a count (simulate's), ``client_ids`` a list of ids (a run's).
 """
 
@@ -10,10 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ciders_cloud.privacy.accountant import solve_noise_multiplier
-from ciders_cloud.privacy.settings import SAMPLINGS, PrivacySettings
+from ciders_cloud.run.dp_settings import SAMPLINGS, PrivacySettings
 from ciders_cloud.run.folder import RunFolder
-from ciders_cloud.strategies import STRATEGIES, FedNestSettings, get_strategy
 from ciders_edge.config import ConfigMixin, check_value
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.storage import STORAGES
@@ -85,7 +86,6 @@ class RunConfig(ConfigMixin):
     """Everything ``prepare`` decided; later commands read it back instead of re-asking."""
 
     CHOICES = {
-        "algorithm": tuple(STRATEGIES),
         "gamma_schedule": GAMMA_SCHEDULES,
         "storage": ("", *STORAGES),
         "sampling": SAMPLINGS,
@@ -96,7 +96,6 @@ class RunConfig(ConfigMixin):
         "backbone_lora": LoraSettings,
         "takd": TakdConfig,
         "hyperparameters": RoundHyperparams,
-        "fednest": FedNestSettings,
         "dp": PrivacySettings,
     }
 
@@ -117,8 +116,8 @@ class RunConfig(ConfigMixin):
     backbone_lora: dict = field(default_factory=lambda: LoraSettings(rank=8, alpha=16.0, dropout=0.0).to_dict())
     takd: dict = field(default_factory=lambda: TakdConfig().to_dict())
     hyperparameters: dict = field(default_factory=lambda: RoundHyperparams().to_dict())
-    algorithm: str = "ciders-fo"  # a strategy in ciders_cloud.strategies
-    fednest: dict = field(default_factory=dict)  # FedNest's and LFedNest's settings (FedNestSettings' keys)
+    algorithm: str = "ciders-fo"  # a strategy in ciders_cloud.strategies (which checks the name)
+    fednest: dict = field(default_factory=dict)  # FedNest's and LFedNest's settings (checked by their strategy)
     gamma_schedule: str = "constant"  # constant (hyperparameters.gamma) | protocol-c
     client_ids: list[str] = field(default_factory=list)  # the accepted clients; empty: any
     participation: float = 1.0  # q: the share of client_ids each round samples (simulate's and the fleet's)
@@ -155,8 +154,8 @@ class RunConfig(ConfigMixin):
             self._check_privacy()
 
     def _check_privacy(self) -> None:
-        """DP needs the population, a strategy whose mean it can make private, and one split; a target
-        epsilon is turned into the noise multiplier here, once (run.json keeps it)."""
+        """DP needs the population and one split (whether the algorithm's mean can be made private is
+        its strategy's check)."""
         dp = PrivacySettings.from_dict(self.dp, where="`dp`")
         if not self.client_ids:
             raise ConfigError(
@@ -165,20 +164,11 @@ class RunConfig(ConfigMixin):
             )
         if not dp.delta_for(len(self.client_ids)) < 1:
             raise ConfigError("differential privacy with one client: delta = 1/N is 1, no guarantee; set `dp.delta`")
-        if not get_strategy(self.algorithm).private:
-            raise ConfigError(
-                f"{self.algorithm} cannot run with differential privacy: its cloud step reads each client's own "
-                "values (FedNest's hypergradient) or releases nothing (localot); use ciders-fo, ciders-fd, fedavg, "
-                "scaffold, fedot or fedbiot"
-            )
         if self.is_mixed:
             raise ConfigError(
                 "differential privacy needs one messenger depth and one learnable backbone for every profile (the "
                 "clip bound and the noise are over one set of tensors); drop `profile_splits` or use one depth"
             )
-        if dp.noise_multiplier is None:
-            z = solve_noise_multiplier(dp, self.sampling, self.participation, len(self.client_ids))
-            self.dp = {**self.dp, "noise_multiplier": z}
 
     def _check_profile_splits(self) -> None:
         for name, split in self.profile_splits.items():
@@ -204,18 +194,12 @@ class RunConfig(ConfigMixin):
         self._check_backbones()
 
     def _check_backbones(self) -> None:
-        """Every backbone serves a profile and has a name of its own; FedNest's family needs one split."""
+        """Every backbone serves a profile and has a name of its own."""
         names = self.backbone_names
         if len(set(names)) < len(names):
             raise ConfigError(f"drop ratios {self.drop_ratios} are too close to tell apart ({', '.join(names)}).")
         if all(self.profile_split(p)[1] != self.drop_ratio for p in self.profiles):
             raise ConfigError(f"no profile runs the run's backbone (`drop_ratio` {self.drop_ratio}); set it to one's.")
-        if self.is_mixed and get_strategy(self.algorithm).one_split:
-            splits = ", ".join(f"{p} {a}/{r:g}" for p in self.profiles for a, r in [self.profile_split(p)])
-            raise ConfigError(
-                f"{self.algorithm} needs one messenger depth and one learnable backbone for every profile, got "
-                f"{splits} (depth/drop); pass --drop-ratio and profiles of one depth, or use CIDERS or a FedAvg kind."
-            )
 
     def profile_split(self, profile: str) -> tuple[int, float]:
         """``(a_p, r_p)``: how many messenger layers ``profile`` trains and its backbone's drop ratio."""
@@ -260,12 +244,16 @@ class RunConfig(ConfigMixin):
         return PrivacySettings.from_dict(self.dp) if self.dp else None
 
 
+# the keys an old run.json kept among its hyperparameters: that format's, fixed, whatever the table grows
+_FEDNEST_KEYS_BEFORE_THE_TABLE = ("probe_batches", "neumann_terms", "neumann_l", "hvp", "hvp_batch_size")
+
+
 def _with_fednest_table(d: dict[str, Any]) -> dict[str, Any]:
     """A saved run's FedNest settings moved from its hyperparameters to the ``fednest`` table."""
     hp = d.get("hyperparameters")
     if not isinstance(hp, dict) or "fednest" in d:
         return d
-    moved = {k: hp[k] for k in FedNestSettings.field_types() if k in hp}
+    moved = {k: hp[k] for k in _FEDNEST_KEYS_BEFORE_THE_TABLE if k in hp}
     return {**d, "fednest": moved} if moved else d
 
 

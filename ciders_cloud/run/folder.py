@@ -16,7 +16,7 @@ A run folder, made by ``ciders-cloud prepare --out RUN`` (:class:`RunFolder`)::
         takd_optimizer.safetensors          TAKD's AdamW moments, per backbone        TAKD_OPTIMIZER
       bundles/<profile>/round-XXXX/       what edges train on in round XXXX           .bundle(profile, round_)
       keys/<client>.key                   optional: <client>'s packets must carry its tag   .key_file(client)
-      hypergradients/round-XXXX.safetensors   FedNest's h for round XXXX           .hypergradient(round_)
+      hypergradients/round-XXXX.safetensors   FedNest's h for round XXXX           .probe_answer(round_)
       nodes/<client>.pub                  the edges a fleet admits                    .nodes, .node_keys()
       certs/                              serve's default TLS material (CertsFolder)  .certs
       fleet/                              serve's side of Flower                      .fleet
@@ -138,7 +138,7 @@ class RunFolder:
     def key_file(self, client: str) -> Path:
         return self.root / "keys" / f"{client}.key"
 
-    def hypergradient(self, round_: int) -> Path:
+    def probe_answer(self, round_: int) -> Path:
         return self.root / "hypergradients" / f"{_round(round_)}.safetensors"
 
     @property

@@ -5,15 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ciders_cloud.models.fidelity import Fidelity
 from ciders_cloud.run.server_state import ServerState
 from ciders_edge.formats.atomic import write_jsonl
 
-__all__ = ["fidelity_record", "write_round_log"]
-
-
-def fidelity_record(round_: int, takd_step: int, fidelity: Fidelity | None) -> dict:
-    return {"type": "fidelity", "round": round_, "takd_step": takd_step, **(fidelity.to_dict() if fidelity else {})}
+__all__ = ["write_round_log"]
 
 
 def write_round_log(path: Path, committed: ServerState, records: list[dict]) -> None:

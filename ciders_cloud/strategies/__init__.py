@@ -1,25 +1,21 @@
 """CIDERS and its baselines as strategy objects over one round loop (after Flower's ``server/strategy/``).
 
-:class:`~.base.Strategy` is CIDERS-FO and names every hook; each baseline is a small file that varies
-some of them. Edges run the same update code for every strategy: the bundle's hyperparameters (the
-local steps' direction among them) select the variant.
+:class:`~.base.Strategy` names every hook; CIDERS (:mod:`.ciders`) and each baseline is a small file
+that implements some of them, FedNest's family a subpackage of its own. Edges run the same update code
+for every strategy: the bundle's hyperparameters (the local steps' direction among them) select the variant.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_cloud.strategies.base import CloudRound, Strategy
-from ciders_cloud.strategies.ciders import CidersFD
+from ciders_cloud.strategies.ciders import CidersFD, CidersFO
 from ciders_cloud.strategies.fedavg import FedAvg
 from ciders_cloud.strategies.fednest import FedNest, FedNestSettings, LFedNest
 from ciders_cloud.strategies.offsite import FedBiOT, FedOT, LocalOT
 from ciders_cloud.strategies.scaffold import Scaffold
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
-
-if TYPE_CHECKING:
-    from ciders_cloud.run.config import RunConfig, TakdConfig
 
 __all__ = [
     "Strategy",
@@ -28,13 +24,14 @@ __all__ = [
     "STRATEGIES",
     "get_strategy",
     "strategy_for",
+    "check_run",
     "round_hyperparams_for",
     "round_takd",
 ]
 
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
-    for s in (Strategy(), CidersFD(), FedAvg(), Scaffold(), FedOT(), FedBiOT(), LocalOT(), FedNest(), LFedNest())
+    for s in (CidersFO(), CidersFD(), FedAvg(), Scaffold(), FedOT(), FedBiOT(), LocalOT(), FedNest(), LFedNest())
 }
 
 
@@ -48,6 +45,13 @@ def get_strategy(name: str) -> Strategy:
 def strategy_for(run: RunConfig) -> Strategy:
     """The run's strategy with the run's settings for it."""
     return get_strategy(run.algorithm).for_run(run)
+
+
+def check_run(run: RunConfig, fleet: bool = False, secure: bool = False) -> RunConfig:
+    """``run``, refused in one line if its algorithm is unknown or cannot serve it (``fleet``: over Flower,
+    ``secure``: under its SecAgg+ sum); called where a run is made (prepare) and where a fleet is served."""
+    get_strategy(run.algorithm).check(run, fleet, secure)
+    return run
 
 
 def round_hyperparams_for(run: RunConfig, round_: int) -> RoundHyperparams:

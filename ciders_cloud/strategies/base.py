@@ -1,16 +1,16 @@
-"""The strategy every algorithm varies: CIDERS with first-order look-ahead (after Flower's ``Strategy``).
+"""What every algorithm decides, as hooks (after Flower's ``Strategy``): CIDERS and each baseline implement them.
 
 A strategy decides what it asks of edges and what it does with what comes back:
 
+- :meth:`Strategy.check`: refuse, in one line, a run it cannot serve, or cannot serve in a fleet (before any work);
 - :meth:`Strategy.round_hyperparams`: what edges run in a round (their bundles' hyperparameters, the
   local steps' direction among them);
 - :attr:`Strategy.needs_probe` and :meth:`Strategy.aggregate_probes`: a first exchange of gradients
-  before training (FedNest);
+  before training (:mod:`ciders_cloud.round.probes` drives it);
 - :meth:`Strategy.packet_tensors`: what a Δc packet carries besides Δc;
 - :meth:`Strategy.adjust_displacements`: a change to the reconstructed displacements (eq. 11) before
   the server step;
 - :meth:`Strategy.server_step`: the next v and c from the round's mean displacement (eq. 12);
-- :attr:`Strategy.private`: whether differential privacy may wrap the round (its mean is then private);
 - :meth:`Strategy.takd`: how much TAKD the learnable backbone gets after aggregation (eq. 13).
 
 The round driver (:mod:`ciders_cloud.round.aggregate`) calls these hooks and nothing else of an algorithm.
@@ -18,19 +18,20 @@ The round driver (:mod:`ciders_cloud.round.aggregate`) calls these hooks and not
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ciders_cloud.round.aggregation import server_update
+from ciders_cloud.run.config import RunConfig
+from ciders_cloud.run.server_state import ServerState
+from ciders_cloud.strategies.aggregation import server_update
 from ciders_edge.errors import ConfigError
-from ciders_edge.hyperparams import RoundHyperparams, gamma_schedule
+from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.tensors import Tensors
 
-if TYPE_CHECKING:  # the cloud's models and run config import the strategies (the algorithm's name is checked)
+if TYPE_CHECKING:  # a type only: the model stack (transformers, PEFT) loads when a round runs, not for a name
     from ciders_cloud.models.teacher import CloudModels
-    from ciders_cloud.run.config import RunConfig
-    from ciders_cloud.run.server_state import ServerState
 
 __all__ = ["Strategy", "CloudRound"]
 
@@ -46,22 +47,27 @@ class CloudRound:
 
 
 @dataclass(frozen=True)
-class Strategy:
-    """CIDERS with first-order look-ahead: the reference behaviour the baselines vary."""
+class Strategy(ABC):
+    """One federated algorithm on the messenger LoRA: a subclass names itself and says what its edges run;
+    the other hooks default to a plain round of eq. (11)-(13)."""
 
-    name: str = "ciders-fo"
-    needs_probe: bool = False  # a first exchange of gradients before training (FedNest)
-    one_split: bool = False  # every profile must train the same messenger on the same backbone (FedNest's)
-    private: bool = True  # differential privacy may clip and noise its mean (not: it reads a client's own values)
+    name: str = ""
+    needs_probe: bool = False  # a first exchange of gradients before training
 
     def for_run(self, run: RunConfig) -> Strategy:
         """This strategy with the run's settings for it (most have none)."""
         return self
 
+    def check(self, run: RunConfig, fleet: bool = False, secure: bool = False) -> None:
+        """Refuse a run this strategy cannot serve, in one line: ``run``'s privacy and profile splits;
+        ``fleet``: served to edges over Flower (one exchange a round); ``secure``: Flower's SecAgg+ sums the
+        displacements, so the cloud never sees one. By default every run is served."""
+        return None
+
+    @abstractmethod
     def round_hyperparams(self, hp: RoundHyperparams, round_: int, schedule: str) -> RoundHyperparams:
-        """What edges run in ``round_``; ``schedule='protocol-c'`` applies the paper's gamma_t."""
-        gamma = gamma_schedule(round_) if schedule == "protocol-c" else hp.gamma
-        return replace(hp.replace(gamma=gamma, solver="fo"), bilevel=None)  # FedNest's ask is FedNest's alone
+        """What edges run in ``round_``: the run's hyperparameters ``hp`` as this algorithm sets them;
+        ``schedule='protocol-c'`` applies the paper's gamma_t."""
 
     def packet_tensors(self, state: ServerState) -> Tensors:
         """The tensors a Δc packet carries besides Δc of the layers its profile trains, by name and shape."""
@@ -80,7 +86,7 @@ class Strategy:
         return deltas, {}
 
     def server_step(self, v: Tensors, c: Tensors, mean: Tensors, hp: RoundHyperparams) -> tuple[Tensors, Tensors]:
-        """Eq. (12) from the round's mean displacement (its private mean under differential privacy)."""
+        """The next v and c from the round's mean displacement (its private mean under differential privacy)."""
         return server_update(v, c, mean, hp.tau, hp.local_steps, hp.eta, hp.alpha)
 
     def takd(self, hp: RoundHyperparams) -> tuple[int, float]:

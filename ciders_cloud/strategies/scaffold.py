@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ciders_cloud.strategies.fedavg import FedAvg
+from ciders_edge.hyperparams import RoundHyperparams
 
 __all__ = ["Scaffold"]
 
@@ -16,5 +17,6 @@ class Scaffold(FedAvg):
 
     name: str = "scaffold"
 
-    def round_hyperparams(self, hp, round_, schedule):
+    def round_hyperparams(self, hp: RoundHyperparams, round_: int, schedule: str) -> RoundHyperparams:
+        """FedAvg's round with the control variates on: gamma = alpha = 1."""
         return super().round_hyperparams(hp, round_, schedule).replace(gamma=1.0, alpha=1.0)

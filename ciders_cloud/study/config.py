@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ciders_cloud.privacy.settings import SAMPLINGS, PrivacySettings
 from ciders_cloud.run.config import GAMMA_SCHEDULES, TakdConfig
+from ciders_cloud.run.dp_settings import SAMPLINGS, PrivacySettings
 from ciders_cloud.strategies import STRATEGIES, FedNestSettings
 from ciders_edge.config import ConfigMixin, check_limit
 from ciders_edge.data.holdout import check_val_fraction

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ciders_cloud.round.aggregation import layer_means
+from ciders_cloud.strategies.aggregation import layer_means
 from ciders_edge.tensors import Tensors
 
 __all__ = ["psi", "flatten", "decompose", "client_diagnostics"]

@@ -12,10 +12,11 @@ from statistics import mean
 import torch
 from safetensors.torch import load_file
 
-from ciders_cloud.round.aggregate import aggregate_files, aggregate_probes
-from ciders_cloud.round.sampling import sample_clients
+from ciders_cloud.round.aggregate import aggregate_files
+from ciders_cloud.round.probes import aggregate_probes
 from ciders_cloud.run.config import load_run
 from ciders_cloud.run.folder import StudyFolder
+from ciders_cloud.run.sampling import sample_clients
 from ciders_cloud.strategies import get_strategy, round_hyperparams_for
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.diagnostics import client_diagnostics
@@ -129,7 +130,7 @@ def _probe(
     device: torch.device,
     frozen_weights: str | None,
 ) -> dict:
-    """FedNest's first exchange: every client's gradient packet, then the cloud's hypergradient h."""
+    """The round's first exchange: every client's gradient packet, then the cloud's answer ``h``."""
     paths = []
     for cid in ids:
         console.print(f"[bold]round {t}[/] {cid} probe")
@@ -186,7 +187,7 @@ def _round_record(
         "bytes_up": sum(agg["bytes_up"].values()) + sum(probe_up.values()),
         "bytes_down": down + probe_down,  # per client, this round
         **({"backbones": agg["backbones"]} if "backbones" in agg else {}),  # each one's TAKD cost and fidelity
-        **(probed.get("bilevel") or agg.get("bilevel") or {}),  # FedNest / LFedNest's hypergradient
+        **(probed.get("bilevel") or agg.get("bilevel") or {}),  # the strategy's report of its exchange or its step
         **({"privacy": _privacy_record(agg["privacy"])} if "privacy" in agg else {}),
     }
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from ciders_cloud.models.device import cloud_device
-from ciders_cloud.prepare import prepare
-from ciders_cloud.privacy import PrivateRelease
+from ciders_cloud.preparation import prepare
+from ciders_cloud.privacy import PrivateRelease, with_noise
 from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.run.splits import fleet_split
+from ciders_cloud.strategies import check_run
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.partition import partition
 from ciders_cloud.study.round_loop import run_rounds
@@ -84,7 +85,7 @@ def _build_study(cfg: SimConfig, study: StudyFolder, device: torch.device) -> tu
     write_json(study.config, cfg.to_dict())
     ids = client_ids(cfg.clients)
     domains = _materialize_data(cfg, study, ids)
-    run = _run_config(cfg, ids, study)
+    run = with_noise(check_run(_run_config(cfg, ids, study)))  # refused, or epsilon's noise solved, before the model
     if (release := PrivateRelease.of(run)) is not None:  # before the model loads: the budget must last the rounds
         release.check_rounds(cfg.rounds)
     prepare(run, study.run.root, device)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from flat_objective import AsFlat
 
-from ciders_cloud.round.aggregation import layer_means
 from ciders_cloud.strategies import get_strategy
-from ciders_cloud.strategies.hypergradient import (
+from ciders_cloud.strategies.aggregation import layer_means
+from ciders_cloud.strategies.fednest.hypergradient import (
     autograd_second_order,
     fd_second_order,
     indirect_term,

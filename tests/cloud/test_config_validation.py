@@ -7,9 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.prepare import prepare
+from ciders_cloud.cli.config_file import load_config
+from ciders_cloud.preparation import prepare
 from ciders_cloud.run.config import RunConfig, TakdConfig, load_run
-from ciders_cloud.run.config_file import load_config
 from ciders_cloud.strategies import FedNestSettings, round_hyperparams_for, round_takd
 from ciders_edge.cli import app as edge
 from ciders_edge.config import check_value

@@ -18,11 +18,11 @@ from ciders_cloud import prepare
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.privacy import BudgetError, GaussianMechanism, PrivacySettings, PrivateRelease, solve_noise_multiplier
 from ciders_cloud.privacy.accountant import epsilon
-from ciders_cloud.privacy.settings import MIN_NOISE
 from ciders_cloud.round.aggregate import aggregate_files, aggregate_packets
-from ciders_cloud.round.sampling import sample_clients
 from ciders_cloud.run.config import load_run
+from ciders_cloud.run.dp_settings import MIN_NOISE
 from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.sampling import sample_clients
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.study.simulate import simulate
 from ciders_edge.errors import ConfigError, PacketError

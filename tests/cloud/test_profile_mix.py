@@ -10,12 +10,14 @@ from conftest import fast_run_config
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
+from ciders_cloud.preparation import prepare
 from ciders_cloud.round.aggregate import aggregate_files
-from ciders_cloud.round.aggregation import aggregate, participation_weights, weighted_sum
 from ciders_cloud.run.config import RunConfig
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.run.splits import fleet_split
+from ciders_cloud.strategies import check_run
+from ciders_cloud.strategies.aggregation import aggregate, participation_weights, weighted_sum
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.report import report
 from ciders_edge.errors import ConfigError
@@ -89,9 +91,12 @@ def test_a_profile_deeper_than_the_messenger_is_refused_with_the_range(tmp_path,
     assert not out.exists()
 
 
-def test_fednest_needs_one_split():
-    with pytest.raises(ConfigError, match="fednest needs one messenger depth and one learnable backbone"):
-        RunConfig(profiles=[LAPTOP, PI], algorithm="fednest", **MIXED)
+def test_fednest_needs_one_split_and_prepare_refuses_before_any_work(tmp_path):
+    run = RunConfig(profiles=[LAPTOP, PI], algorithm="fednest", **MIXED)  # the run's data are fine
+    for make in (lambda: check_run(run), lambda: prepare(run, tmp_path / "run")):
+        with pytest.raises(ConfigError, match="fednest needs one messenger depth and one learnable backbone"):
+            make()
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

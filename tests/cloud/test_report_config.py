@@ -6,8 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
+from ciders_cloud.cli.config_file import load_toml_config
 from ciders_cloud.run.config import TakdConfig
-from ciders_cloud.run.config_file import load_toml_config
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.report import report
 from ciders_edge.errors import ConfigError

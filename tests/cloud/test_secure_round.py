@@ -7,7 +7,8 @@ from conftest import fast_run_config
 from tiny_runs import two_clients_round0
 
 from ciders_cloud import prepare
-from ciders_cloud.round.aggregate import aggregate_files, aggregate_packets, aggregate_secure
+from ciders_cloud.round.aggregate import aggregate_files, aggregate_packets
+from ciders_cloud.round.secure import aggregate_secure
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_edge.errors import PacketError, StateError

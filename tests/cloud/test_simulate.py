@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_runs import FAST, fast_study, moved
 
-from ciders_cloud.round.aggregate import aggregate_probes
+from ciders_cloud.round.probes import aggregate_probes
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import STRATEGIES

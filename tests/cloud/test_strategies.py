@@ -4,10 +4,11 @@ server step makes of the displacements (eq. 12), and how much TAKD follows (eq. 
 import pytest
 import torch
 
-from ciders_cloud.round.aggregation import layer_means
+from ciders_cloud.preparation import prepare
 from ciders_cloud.round.bundles import bundle_takd_loss
 from ciders_cloud.run.config import RunConfig
-from ciders_cloud.strategies import STRATEGIES, get_strategy
+from ciders_cloud.strategies import STRATEGIES, Strategy, check_run, get_strategy
+from ciders_cloud.strategies.aggregation import layer_means
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.training.equations import consensus_update, displacement, trajectory_gradient
@@ -115,3 +116,33 @@ def test_protocol_c_schedules_gamma_and_an_unknown_name_is_refused():
                                "fednest", "lfednest"}  # fmt: skip
     with pytest.raises(ConfigError, match="unknown algorithm 'fedprox'"):
         get_strategy("fedprox")
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_each_strategy_refuses_in_one_line_the_runs_it_cannot_serve(name):
+    """The strategy owns its limits (no flag of it is read elsewhere): FedNest's family reads each client's
+    own values, so no privacy and no secure sum, and its first exchange runs only in simulate; LocalOT
+    releases and sums nothing."""
+    private = RunConfig(algorithm=name, client_ids=["a", "b"], dp={"clip": 1.0, "noise_multiplier": 1.0})
+    plain = RunConfig(algorithm=name)
+    refusals = {
+        "private": name in ("fednest", "lfednest", "localot"),
+        "secure": name in ("fednest", "lfednest", "localot"),
+        "fleet": name == "fednest",
+    }
+    for what, run, kwargs in (("private", private, {}), ("secure", plain, {"fleet": True, "secure": True}),
+                              ("fleet", plain, {"fleet": True})):  # fmt: skip
+        if refusals[what]:
+            with pytest.raises(ConfigError) as err:
+                check_run(run, **kwargs)
+            assert name in str(err.value) and "\n" not in str(err.value)
+        else:
+            assert check_run(run, **kwargs) is run
+
+
+def test_the_base_strategy_is_abstract_and_an_unknown_algorithm_is_refused_where_a_run_is_made(tmp_path):
+    with pytest.raises(TypeError, match="abstract"):
+        Strategy()
+    with pytest.raises(ConfigError, match="unknown algorithm 'fedsgd'; choose one of ciders-fo"):
+        prepare(RunConfig(algorithm="fedsgd"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -11,19 +11,19 @@ from safetensors.torch import load_file
 import ciders_cloud.models.bootstrap as bootstrap_module
 import ciders_cloud.models.source as source
 from ciders_cloud import prepare
+from ciders_cloud.cli.config_file import load_config
 from ciders_cloud.models.bootstrap import gap_parameters
 from ciders_cloud.models.device import WidenBf16
 from ciders_cloud.models.layers import gap_layers
 from ciders_cloud.models.source import load_teacher, parameter_count, teacher_dtype
 from ciders_cloud.models.takd import public_split, takd_terms
 from ciders_cloud.models.teacher import build_cloud_models, load_cloud_models
-from ciders_cloud.prepare import distill
+from ciders_cloud.preparation import distill
 from ciders_cloud.round.bundles import frozen_weights
 from ciders_cloud.run.config import RunConfig, load_run
-from ciders_cloud.run.config_file import load_config
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
-from ciders_cloud.strategies.bilevel import TakdInner
+from ciders_cloud.strategies.fednest.bilevel import TakdInner
 from ciders_edge.data.records import collate
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.bundle import Bundle

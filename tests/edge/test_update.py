@@ -4,7 +4,7 @@ import pytest
 import torch
 from flat_objective import AsFlat
 
-from ciders_cloud.round.aggregation import aggregate, participation_weights, reconstruct_displacement
+from ciders_cloud.strategies.aggregation import aggregate, participation_weights, reconstruct_displacement
 from ciders_cloud.study.diagnostics import decompose, psi
 from ciders_edge.formats.packet import Packet
 from ciders_edge.hyperparams import RoundHyperparams

@@ -442,6 +442,19 @@ def test_secure_aggregation_refuses_a_run_it_cannot_sum(demo_dir, tmp_path, over
         check_aggregation(fast_run_config(demo_dir), plain, ServeSettings(tmp_path, 1, **SECURE))
 
 
+@pytest.mark.parametrize("algorithm", ["fednest", "localot"])
+def test_a_fleet_refuses_an_algorithm_it_cannot_serve_before_anything_starts(demo_dir, tmp_path, algorithm):
+    """FedNest's first exchange runs only in simulate; LocalOT serves in the clear (it sums nothing)."""
+    run = fast_run_config(demo_dir, algorithm=algorithm)
+    plain = ServeSettings(tmp_path, 1, min_clients=1)
+    if algorithm == "fednest":
+        with pytest.raises(ConfigError, match="fednest's first exchange .* runs in `ciders-cloud simulate`"):
+            check_aggregation(run, ServerState(0, {}, {}, {}), plain)
+    else:
+        check_aggregation(run, ServerState(0, {}, {}, {}), plain)
+    check_aggregation(fast_run_config(demo_dir, algorithm="lfednest"), ServerState(0, {}, {}, {}), plain)
+
+
 def test_a_secure_round_commits_the_pending_state_its_sum_held_and_drops_one_it_did_not(run0, tmp_path):
     """The cloud holds no c_i to compare with: the round the secure sum held this client decides."""
     for summed, kept in ((0, True), (-1, False)):

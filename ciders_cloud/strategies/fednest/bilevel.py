@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,16 +16,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ciders_cloud.models.device import WidenBf16, to_cpu
 from ciders_cloud.models.takd import takd_terms
+from ciders_cloud.models.teacher import CloudModels
+from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_cloud.run.server_state import ServerState
-from ciders_cloud.strategies.hypergradient import indirect_term, second_order
+from ciders_cloud.strategies.fednest.hypergradient import indirect_term, second_order
+from ciders_cloud.strategies.fednest.settings import FedNestSettings
 from ciders_edge.data.records import batch_stream, load_examples
 from ciders_edge.model.lora import BACKBONE_ADAPTER, MESSENGER_ADAPTER, copy_into, lora_parameters, set_trainable
 from ciders_edge.tensors import Tensors
-
-if TYPE_CHECKING:  # the run config checks algorithm names against the strategies, which import this
-    from ciders_cloud.models.teacher import CloudModels
-    from ciders_cloud.run.config import RunConfig, TakdConfig
-    from ciders_cloud.strategies.fednest import FedNestSettings
 
 __all__ = ["TakdInner", "cloud_indirect_term"]
 
