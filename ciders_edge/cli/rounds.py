@@ -105,7 +105,7 @@ def train(
             others = ", ".join(f"{k[8:]} {v:.4f}" for k, v in s.items() if k.startswith("val_nll_"))
             console.print(
                 f"  deploys {s['deployed']}: NLL {s['deployed_nll']:.4f} on {s['val_records']} held-out records "
-                f"({others})",
+                f"({others}); scoring them took {s['val_seconds']:.0f} s beside training's {s['train_seconds']:.0f} s",
                 highlight=False,
                 soft_wrap=True,
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -186,7 +187,9 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
     check_state(state, b)
     hp, edge, examples = load_round(b, data, options.profile, options.overrides, memory=options)
     examples, val = hold_out(examples, options.val_fraction, f"{data}: ")
+    started = time.perf_counter()
     output = local_round(edge, examples, state, hp, options)
+    seconds = {"train_seconds": round(time.perf_counter() - started, 3)}  # what validation costs, beside it
     validation = None
     if val:
         if b.manifest.get("deploy_backbone", "emu") == "full":
@@ -196,6 +199,7 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
             edge = load_backbone(b, "full", prof.torch_dtype if prof else None, quantized=quantized)
             edge.model.to(pick_device(prof))
         validation = _validate(edge, val, state, output)
+        seconds["val_seconds"] = round(time.perf_counter() - started - seconds["train_seconds"], 3)
     rfd = [m["r_fd"] for m in output.result.steps if "r_fd" in m]
     p = output.packet
     output.summary = {
@@ -214,6 +218,7 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
         "raw_bytes": p.raw_bytes,
         "packet_bytes": len(output.packet_bytes),
         **(validation.summary() if validation else {}),
+        **seconds,
     }
     return output
 

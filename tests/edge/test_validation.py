@@ -115,6 +115,7 @@ def test_train_scores_every_candidate_and_the_state_keeps_the_best(mixed):
     nll = {k[8:]: v for k, v in summary.items() if k.startswith("val_nll_")}
     assert set(nll) == {"base", "global", "personalized", "mix_0.25", "mix_0.5", "mix_0.75"}
     assert summary["val_records"] == 8 and summary["deployed_nll"] == min(nll.values()) < nll["personalized"]
+    assert summary["val_seconds"] > 0 and summary["train_seconds"] > 0  # the slice's cost, beside training's
     state = ClientState.load(state_dir)
     best = min(nll, key=nll.get)
     assert state.best_info["nll"] == nll[best] and state.best_info["round"] == 0
