@@ -161,9 +161,8 @@ def _evidence(best: dict, scores: dict) -> str:
     rivals = ", ".join(
         f"{k} {s['nll']:.4f}" for k, s in scores.items() if k in ("personalized", "global") and k != best["messenger"]
     )
-    return f"lowest NLL {best['nll']:.4f} on {best.get('records', '?')} held-out records in round " + (
-        f"{best['scored_round']}" + (f" ({rivals})" if rivals else "")
-    )
+    where = f"lowest NLL on {best.get('records', '?')} held-out records in round {best['scored_round']}"
+    return f"{where}: {best['nll']:.4f}" + (f", against {rivals}" if rivals else "")  # said inside infer's ( )
 
 
 def load_backbone(

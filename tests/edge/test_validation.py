@@ -220,7 +220,8 @@ def test_the_choice_names_the_rivals_it_beat_not_itself():
     scores = {"personalized": {"nll": 0.0552}, "global": {"nll": 0.4429}, "mix_0.5": {"nll": 0.121}}
     best = {"messenger": "personalized", "round": 0, "nll": 0.0552, "records": 20, "scored_round": 0}
     assert _why(best, scores) == (
-        "the personalized messenger of round 0, lowest NLL 0.0552 on 20 held-out records in round 0 (global 0.4429)"
+        "the personalized messenger of round 0, lowest NLL on 20 held-out records in round 0: 0.0552, "
+        "against global 0.4429"
     )
     mixed = {**best, "messenger": "mix", "alpha": 0.75, "nll": 0.04}
-    assert _why(mixed, scores).endswith("in round 0 (personalized 0.0552, global 0.4429)")
+    assert _why(mixed, scores).endswith("in round 0: 0.0400, against personalized 0.0552, global 0.4429")
