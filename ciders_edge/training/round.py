@@ -189,7 +189,8 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
     examples, val = hold_out(examples, options.val_fraction, f"{data}: ")
     started = time.perf_counter()
     output = local_round(edge, examples, state, hp, options)
-    seconds = {"train_seconds": round(time.perf_counter() - started, 3)}  # what validation costs, beside it
+    trained = time.perf_counter()
+    seconds = {"train_seconds": round(trained - started, 3)}  # what validation costs, beside it
     validation = None
     if val:
         if b.manifest.get("deploy_backbone", "emu") == "full":
@@ -199,7 +200,7 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
             edge = load_backbone(b, "full", prof.torch_dtype if prof else None, quantized=quantized)
             edge.model.to(pick_device(prof))
         validation = _validate(edge, val, state, output)
-        seconds["val_seconds"] = round(time.perf_counter() - started - seconds["train_seconds"], 3)
+        seconds["val_seconds"] = round(time.perf_counter() - trained, 3)
     rfd = [m["r_fd"] for m in output.result.steps if "r_fd" in m]
     p = output.packet
     output.summary = {
