@@ -1,4 +1,5 @@
-"""The study commands: ``simulate`` a federation in one process, ``report`` on studies, ``demo-data``."""
+"""The study commands: ``simulate`` a federation (in one process or on Flower's Simulation Engine), ``report``
+on studies, ``demo-data``."""
 
 from __future__ import annotations
 
@@ -81,20 +82,40 @@ def simulate(
         bool,
         typer.Option(
             help="Go on with the study in --out to --rounds in all, from where it stopped (a kill too); "
-            "its own settings hold, so no other option is taken."
+            "its own settings hold: only --rounds and where it runs (--engine, --device) are taken."
         ),
     ] = False,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="Where the clients train: in-process (one after another) or flower (virtual SuperNodes of "
+            "Flower's Simulation Engine on Ray; the simulation extra). Results are the same."
+        ),
+    ] = "in-process",
+    actors: Annotated[
+        int | None, typer.Option(help="--engine flower: Ray actors on this machine (default: as the cores allow).")
+    ] = None,
+    cpus_per_client: Annotated[float, typer.Option(help="--engine flower: CPUs each client's actor holds.")] = 1.0,
+    gpus_per_client: Annotated[
+        float, typer.Option(help="--engine flower: GPUs (or a share) each client's actor holds.")
+    ] = 0.0,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="--engine flower: join this Ray cluster (its nodes must mount --out at the same path)."),
+    ] = None,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
-    """Simulate the cloud and N edges in one process, through the same code as the CLIs."""
+    """Simulate the cloud and N edges, in one process or on Flower's Simulation Engine, through the CLIs' code."""
 
     def body() -> dict:
         from ciders_cloud.models.device import cloud_device  # the model stack loads when a study runs
+        from ciders_cloud.study.engines import EngineSettings
         from ciders_cloud.study.resume import resume as resume_run
         from ciders_cloud.study.simulate import simulate as simulate_run
 
         where = cloud_device(device)  # refused before anything is read or written
+        engine_settings = EngineSettings(engine, actors, cpus_per_client, gpus_per_client, ray_address)
         flags = {
             "model": model,
             "data": data,
@@ -127,11 +148,12 @@ def simulate(
         if resume:
             dp_flags = {"dp_clip": dp_clip, "dp_noise": dp_noise, "dp_epsilon": dp_epsilon, "dp_delta": dp_delta}
             _only_rounds({**flags, "config": config, "lr": lr, "gamma": gamma, **dp_flags, "dp_clip_on": dp_clip_on})
-            return resume_run(out, rounds, where)
+            return resume_run(out, rounds, where, engine_settings)
         merged = merge_config(config, flags, {"hyperparameters": hp, "dp": dp}, command="simulate")
         if merged.get("profile_mix") and clients is None:  # the mix says how many edges there are
             merged["clients"] = sum(parse_profile_mix(merged["profile_mix"]).values())
-        return simulate_run(SimConfig.from_dict(merged, where="flags"), out, where)  # the file was checked at load
+        cfg = SimConfig.from_dict(merged, where="flags")  # the file was checked at load
+        return simulate_run(cfg, out, where, engine_settings)
 
     def render(s: dict) -> None:
         console.print(f"[green]✓[/] {s['algorithm']}: {s['clients']} clients × {s['rounds']} rounds in {s['out']}")

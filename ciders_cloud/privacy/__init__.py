@@ -3,7 +3,7 @@ settings (``run/dp_settings.py``, data of the run), the Gaussian mechanism on eq
 privacy accountant."""
 
 from ciders_cloud.privacy.accountant import PrivacySpent, privacy_spent, solve_noise_multiplier
-from ciders_cloud.privacy.mechanism import GaussianMechanism
+from ciders_cloud.privacy.mechanism import GaussianMechanism, study_generator
 from ciders_cloud.privacy.release import BudgetError, PrivateRelease, with_noise
 from ciders_cloud.run.dp_settings import CLIP_SITES, SAMPLINGS, PrivacySettings
 
@@ -15,6 +15,7 @@ __all__ = [
     "privacy_spent",
     "solve_noise_multiplier",
     "GaussianMechanism",
+    "study_generator",
     "PrivateRelease",
     "BudgetError",
     "with_noise",

@@ -4,12 +4,14 @@
 
 with uniform weights (a client's data size would otherwise scale its contribution past C) and a fixed
 denominator D (the expected clients per round), so neither the sum's sensitivity nor the divisor
-depends on who took part. The noise is drawn from a fresh OS seed every round: it cannot be redrawn
-from the run's config, and no two rounds share it.
+depends on who took part. A run's noise is drawn from a fresh OS seed every round: it cannot be redrawn
+from the run's config, and no two rounds share it. A study (``simulate``), which releases nothing, draws
+it from its seed and the round instead, so that it repeats, whichever engine trained its clients.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,12 +21,18 @@ import torch
 from ciders_edge.tensors import Tensors, norm
 from ciders_edge.training.equations import clip_displacement
 
-__all__ = ["GaussianMechanism", "fresh_generator"]
+__all__ = ["GaussianMechanism", "fresh_generator", "study_generator"]
 
 
 def fresh_generator() -> torch.Generator:
     """A CPU generator seeded from the OS: a round's noise is never repeated nor recomputable."""
     return torch.Generator().manual_seed(secrets.randbits(63))
+
+
+def study_generator(seed: int, round_: int) -> torch.Generator:
+    """A study's round noise: the same for the same seed and round, different for every round."""
+    digest = hashlib.sha256(f"ciders-dp-noise:{seed}:{round_}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") >> 1)
 
 
 @dataclass(frozen=True)

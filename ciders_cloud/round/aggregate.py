@@ -16,7 +16,7 @@ import torch
 
 from ciders_cloud.models.device import cloud_device
 from ciders_cloud.models.teacher import load_cloud_models
-from ciders_cloud.privacy import PrivateRelease
+from ciders_cloud.privacy import PrivateRelease, study_generator
 from ciders_cloud.round.commit import commit_round, open_round
 from ciders_cloud.round.intake import Received, check_displacements, check_round, client_consensus, read_packets
 from ciders_cloud.run.server_state import ServerState
@@ -33,9 +33,11 @@ def aggregate_files(
     packet_paths: list[str | Path],
     device: str | torch.device = "cpu",
     sampled: list[str] | None = None,
+    noise_seed: int | None = None,
 ) -> dict:
     """The CLI's body: read packet files and run :func:`aggregate_packets` (its TAKD, fidelity and
-    strategy's own work on ``device``; ``sampled``: the round's drawn clients, when it drew some)."""
+    strategy's own work on ``device``; ``sampled``: the round's drawn clients, when it drew some;
+    ``noise_seed``: a study's seed, which its DP noise is drawn from)."""
     device = cloud_device(device)
     items = []
     for path in packet_paths:
@@ -43,7 +45,7 @@ def aggregate_files(
         if not path.is_file():
             raise PacketError(f"{path}: no such packet file")
         items.append((str(path), path.read_bytes()))
-    return aggregate_packets(Path(run_dir), items, device=device, sampled=sampled)
+    return aggregate_packets(Path(run_dir), items, device=device, sampled=sampled, noise_seed=noise_seed)
 
 
 def aggregate_packets(
@@ -52,6 +54,7 @@ def aggregate_packets(
     drop_outliers: bool = False,
     device: str | torch.device = "cpu",
     sampled: list[str] | None = None,
+    noise_seed: int | None = None,
 ) -> dict:
     """Eq. (11)–(13) for one round; returns a summary of what happened.
 
@@ -60,7 +63,8 @@ def aggregate_packets(
     reason in the summary's ``dropped``, and its client's c_i stays as it was. TAKD, fidelity and the
     strategy's own work (a bilevel baseline's Hessian products) run on ``device`` (``auto``, ``cpu``, ``cuda``);
     the state stays on the CPU. ``sampled`` names the clients the round drew (simulate's and the fleet's);
-    a private run that samples needs it, and refuses a packet from a client outside it.
+    a private run that samples needs it, and refuses a packet from a client outside it. A private round's
+    noise comes from a fresh OS seed, or from ``noise_seed`` and the round in a study (it repeats).
     """
     device = cloud_device(device)
     run, state = open_round(run_dir, secure=False)
@@ -92,7 +96,8 @@ def aggregate_packets(
     cloud = CloudRound(run, state, hp, backbones)
     deltas, bilevel = strategy.adjust_displacements(deltas, [r.packet.tensors for r in received], weights, cloud)
     if release:  # the Gaussian mechanism on the clipped displacements' sum
-        mean, privacy = release.mechanism.mean(deltas, state.messenger)
+        noise = study_generator(noise_seed, state.round) if noise_seed is not None else None
+        mean, privacy = release.mechanism.mean(deltas, state.messenger, noise)
         privacy = {**privacy, **spent.to_dict()}
     else:
         mean, privacy = layer_means(deltas, weights, state.messenger), None

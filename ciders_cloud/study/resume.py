@@ -22,6 +22,7 @@ from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.run.lock import run_lock
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.study.config import SimConfig
+from ciders_cloud.study.engines import EngineSettings, run_with
 from ciders_cloud.study.report import load_metrics
 from ciders_cloud.study.round_loop import evaluated_after, run_rounds
 from ciders_cloud.study.simulate import client_ids
@@ -33,9 +34,11 @@ from ciders_edge.progress import console
 __all__ = ["resume"]
 
 
-def resume(out: str | Path, rounds: int | None = None, device: str | torch.device = "cpu") -> dict:
-    """Run the study in ``out`` on to ``rounds`` rounds in all (default: its config's); returns the
-    last evaluation, as :func:`~ciders_cloud.study.simulate.simulate` does.
+def resume(
+    out: str | Path, rounds: int | None = None, device: str | torch.device = "cpu", engine: EngineSettings | None = None
+) -> dict:
+    """Run the study in ``out`` on to ``rounds`` rounds in all (default: its config's), on ``engine``;
+    returns the last evaluation, as :func:`~ciders_cloud.study.simulate.simulate` does.
 
     Raises:
         ConfigError: ``out`` is not a study, or has run more than ``rounds`` rounds.
@@ -61,7 +64,9 @@ def resume(out: str | Path, rounds: int | None = None, device: str | torch.devic
         ids = client_ids(cfg.clients)
         domains = {r["client"]: r["domain"] for r in records if r["type"] == "baseline"}
         owed = done > 0 and evaluated_after(old, done - 1) and not _evaluated(records, done - 1)
-        last = run_rounds(cfg, study, ids, domains, device, start=done, evaluate_first=owed)
+        last = run_with(
+            engine, ids, lambda e: run_rounds(cfg, study, ids, domains, device, done, evaluate_first=owed, engine=e)
+        )
     last = last or _last_evaluation(load_metrics(study.root))
     return {
         "out": str(out),

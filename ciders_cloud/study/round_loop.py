@@ -1,16 +1,17 @@
 """The rounds of a built study: each sampled client trains through ``ciders-edge train``'s code and
 writes a real packet, the cloud aggregates them through ``ciders-cloud aggregate``'s, and every round's
-client, round and evaluation records go to the study's ``metrics.jsonl``.
+client, round and evaluation records go to the study's ``metrics.jsonl``. An engine (:mod:`.engines`)
+carries the clients' jobs: in this process, or on Flower's Simulation Engine.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 from statistics import mean
 
 import torch
-from safetensors.torch import load_file
 
 from ciders_cloud.round.aggregate import aggregate_files
 from ciders_cloud.round.probes import aggregate_probes
@@ -20,14 +21,14 @@ from ciders_cloud.run.sampling import sample_clients
 from ciders_cloud.strategies import get_strategy, round_hyperparams_for
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.diagnostics import client_diagnostics
+from ciders_cloud.study.engines import Engine, InProcess
 from ciders_cloud.study.evaluation import Scoring, evaluate_baseline, evaluate_groups
 from ciders_cloud.study.profiles import StudyProfiles
 from ciders_cloud.study.snapshots import keep_state, round_committed
+from ciders_edge.fleet.virtual import StudyJob
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.hyperparams import RoundHyperparams
-from ciders_edge.progress import console
-from ciders_edge.training.train import RoundOptions, probe, train
 
 __all__ = ["run_rounds", "evaluated_after"]
 
@@ -40,12 +41,15 @@ def run_rounds(
     device: torch.device,
     start: int = 0,
     evaluate_first: bool = False,
+    engine: Engine | None = None,
 ) -> dict:
     """Rounds ``start`` to ``cfg.rounds - 1`` of a built study, the cloud's part and the evaluation on
     ``device``; returns the last evaluation. From a ``start`` past 0 (``simulate --resume``) the rounds
     draw the samples a run that never stopped would have; ``evaluate_first`` scores round ``start - 1``
-    first, when its evaluation was cut short."""
+    first, when its evaluation was cut short. ``engine`` carries the clients' jobs (:mod:`.engines`;
+    default: this process)."""
     run = study.run
+    engine = engine or InProcess()
     rng = random.Random(cfg.seed)
     for _ in range(start):  # the draws of the rounds already run
         sample_clients(ids, cfg.participation, cfg.sampling, rng, private=bool(cfg.dp))
@@ -63,34 +67,17 @@ def run_rounds(
     for t in range(start, cfg.rounds):
         started = time.perf_counter()
         participants = sample_clients(ids, cfg.participation, cfg.sampling, rng, private=bool(cfg.dp))
-        probed = (
-            _probe(study, t, participants, profiles, device, cfg.frozen_weights or None) if strategy.needs_probe else {}
-        )
-        packets, outputs = [], {}
-        for cid in participants:
-            console.print(f"[bold]round {t}[/] {cid} ({strategy.name}{profiles.label(cid)})")
-            keep_state(study, t, cid)  # until the round commits: a resumed study trains it again from here
-            packet = study.packet(t, cid)
-            outputs[cid] = train(
-                run.bundle(profiles.profile_of[cid], t),
-                study.train_data(cid),
-                study.client_state(cid),
-                packet,
-                RoundOptions(
-                    profile=profiles.profile_of[cid],
-                    codec=cfg.codec,
-                    client_id=cid,
-                    hypergradient=probed.get("h"),
-                    frozen_weights=cfg.frozen_weights or None,
-                    val_fraction=cfg.val_fraction,
-                ),
-            )
-            packets.append(packet)
-        agg = aggregate_files(run.root, packets, device, sampled=participants)
+        probed = _probe(study, t, participants, profiles, engine, cfg, device) if strategy.needs_probe else {}
+        for cid in participants:  # until the round commits: a resumed study trains them again from here
+            keep_state(study, t, cid)
+        jobs = [_job(study, t, cid, profiles, cfg, hypergradient=probed.get("path")) for cid in participants]
+        outputs = engine.run(t, jobs, {cid: f"{strategy.name}{profiles.label(cid)}" for cid in participants})
+        packets = [study.packet(t, cid) for cid in participants]
+        agg = aggregate_files(run.root, packets, device, sampled=participants, noise_seed=cfg.seed)
         round_committed(study, t)
         hp = round_hyperparams_for(load_run(run.root), t)
         deltas = {cid: profiles.to_v_names(cid, o.delta_sent) for cid, o in outputs.items()}
-        directions = {cid: profiles.to_v_names(cid, o.result.first_direction) for cid, o in outputs.items()}
+        directions = {cid: profiles.to_v_names(cid, o.first_direction) for cid, o in outputs.items()}
         weights = dict(zip(agg["clients"], agg["weights"], strict=True))
         diag = client_diagnostics(deltas, directions, weights, t, hp.gamma, hp.alpha)
         wall = time.perf_counter() - started
@@ -122,25 +109,40 @@ def _fetched(study: StudyFolder, profile: str, round_: int) -> int:
     return bundle.delta_bytes(Bundle.load(study.run.bundle(profile, round_ - 1)) if round_ else None)
 
 
+def _job(
+    study: StudyFolder, t: int, cid: str, profiles: StudyProfiles, cfg: SimConfig, packet: Path | None = None, **kw
+) -> StudyJob:
+    """Client ``cid``'s part of round ``t``: ``ciders-edge train``'s files and options (``kw``: the job's
+    FedNest fields)."""
+    profile = profiles.profile_of[cid]
+    return StudyJob(
+        client_id=cid,
+        bundle=str(study.run.bundle(profile, t)),
+        data=str(study.train_data(cid)),
+        state=str(study.client_state(cid)),
+        packet=str(packet or study.packet(t, cid)),
+        profile=profile,
+        codec=cfg.codec,
+        frozen_weights=cfg.frozen_weights or None,
+        val_fraction=cfg.val_fraction,
+        **kw,
+    )
+
+
 def _probe(
     study: StudyFolder,
     t: int,
     ids: list[str],
     profiles: StudyProfiles,
+    engine: Engine,
+    cfg: SimConfig,
     device: torch.device,
-    frozen_weights: str | None,
 ) -> dict:
     """The round's first exchange: every client's gradient packet, then the cloud's answer ``h``."""
-    paths = []
-    for cid in ids:
-        console.print(f"[bold]round {t}[/] {cid} probe")
-        path, profile = study.probe_packet(t, cid), profiles.profile_of[cid]
-        bundle = study.run.bundle(profile, t)
-        data, state = study.train_data(cid), study.client_state(cid)
-        probe(bundle, data, state, path, client_id=cid, profile=profile, frozen_weights=frozen_weights)
-        paths.append(path)
-    summary = aggregate_probes(study.run.root, [(str(p), p.read_bytes()) for p in paths], device)
-    return {**summary, "h": load_file(summary["path"])}
+    paths = [study.probe_packet(t, cid) for cid in ids]
+    jobs = [_job(study, t, cid, profiles, cfg, packet=p, probe=True) for cid, p in zip(ids, paths, strict=True)]
+    engine.run(t, jobs, dict.fromkeys(ids, "probe"))
+    return aggregate_probes(study.run.root, [(str(p), p.read_bytes()) for p in paths], device)
 
 
 def _client_record(

@@ -27,6 +27,7 @@ from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.run.splits import fleet_split
 from ciders_cloud.strategies import check_run
 from ciders_cloud.study.config import SimConfig
+from ciders_cloud.study.engines import EngineSettings, run_with
 from ciders_cloud.study.partition import partition
 from ciders_cloud.study.round_loop import run_rounds
 from ciders_cloud.study.staging import staged
@@ -43,12 +44,16 @@ def client_ids(n: int) -> list[str]:
     return [f"client-{i:02d}" for i in range(n)]
 
 
-def simulate(cfg: SimConfig, out: str | Path, device: str | torch.device = "cpu") -> dict:
+def simulate(
+    cfg: SimConfig, out: str | Path, device: str | torch.device = "cpu", engine: EngineSettings | None = None
+) -> dict:
     """Run ``cfg.rounds`` rounds; returns the last evaluation and where everything is.
 
     Args:
         device: where the cloud's TAKD, fidelity, Hessian products and the evaluation run (``auto``,
             ``cpu``, ``cuda``); not part of the study. The edges run where their profile says.
+        engine: where the clients train (:mod:`.engines`: in this process by default, or Flower's
+            Simulation Engine); not part of the study either.
 
     Raises:
         ConfigError: ``out`` exists and is not empty, or ``device`` is not here.
@@ -57,7 +62,7 @@ def simulate(cfg: SimConfig, out: str | Path, device: str | torch.device = "cpu"
     out = Path(out)
     with staged(out) as study:
         ids, domains = _build_study(cfg, study, device)
-        last_eval = run_rounds(cfg, study, ids, domains, device)
+        last_eval = run_with(engine, ids, lambda e: run_rounds(cfg, study, ids, domains, device, engine=e))
     return {
         "out": str(out),
         "run": str(StudyFolder(out).run.root),

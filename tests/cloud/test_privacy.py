@@ -16,7 +16,14 @@ from typer.testing import CliRunner
 
 from ciders_cloud import prepare
 from ciders_cloud.cli import app as cloud
-from ciders_cloud.privacy import BudgetError, GaussianMechanism, PrivacySettings, PrivateRelease, solve_noise_multiplier
+from ciders_cloud.privacy import (
+    BudgetError,
+    GaussianMechanism,
+    PrivacySettings,
+    PrivateRelease,
+    solve_noise_multiplier,
+    study_generator,
+)
 from ciders_cloud.privacy.accountant import epsilon
 from ciders_cloud.round.aggregate import aggregate_files, aggregate_packets
 from ciders_cloud.run.config import load_run
@@ -70,6 +77,14 @@ def test_the_noise_on_the_mean_has_std_z_c_over_d_and_no_two_rounds_share_it():
     assert report["noise_std_of_mean"] == pytest.approx(z * c / d)
     again = torch.cat([(second[k] - exact[k]).reshape(-1) for k in like])
     assert abs(float(torch.corrcoef(torch.stack([noise, again]))[0, 1])) < 0.05  # a fresh seed each round
+
+
+def test_a_studys_noise_repeats_for_its_seed_and_round_and_differs_between_rounds():
+    mechanism, like = GaussianMechanism(1.0, 1.0, 1.0), {"w": torch.zeros(1000, dtype=torch.float64)}
+    noise = {(seed, t): mechanism.mean([], like, study_generator(seed, t))[0]["w"] for seed in (0, 1) for t in (0, 1)}
+    assert torch.equal(noise[0, 0], mechanism.mean([], like, study_generator(0, 0))[0]["w"])
+    for a, b in ((noise[0, 0], noise[0, 1]), (noise[0, 0], noise[1, 0])):
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.15
 
 
 def test_epsilon_of_a_published_setting_matches_the_library_and_the_paper():

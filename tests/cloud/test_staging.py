@@ -11,7 +11,7 @@ from tiny_runs import fast_study as sim_cfg
 from typer.testing import CliRunner
 
 import ciders_cloud.study.report as report_module
-import ciders_cloud.study.round_loop as round_loop_module
+import ciders_edge.fleet.virtual as virtual_module
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.run.config import load_run
 from ciders_cloud.run.folder import LOCK_FILE as BUILDING
@@ -29,7 +29,7 @@ def test_a_simulate_failing_mid_round_leaves_no_out_and_its_rerun_works(demo_dir
     def lost(*args, **kwargs):
         raise PacketError("a packet was lost")
 
-    monkeypatch.setattr(round_loop_module, "train", lost)  # round 0, after prepare
+    monkeypatch.setattr(virtual_module, "train", lost)  # round 0, after prepare: a client's job
     with pytest.raises(PacketError, match="lost"):
         simulate(cfg, out)
     assert list(tmp_path.iterdir()) == []  # neither --out nor a staging folder
