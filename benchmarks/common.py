@@ -101,8 +101,9 @@ def data_dir(sub: str) -> Path:
     return path
 
 
-def run_simulate(cfg, out: Path) -> list[dict]:
-    """One ``simulate`` run (the CLIs' code); returns its ``metrics.jsonl`` records.
+def run_simulate(cfg, out: Path, engine=None) -> list[dict]:
+    """One ``simulate`` run (the CLIs' code; its clients on ``engine``, an ``EngineSettings``, default
+    in-process); returns its ``metrics.jsonl`` records.
 
     Resumable: a run that finished in ``out`` with the same config is read back, not run again,
     so an interrupted benchmark restarts where it stopped; an unfinished one starts over."""
@@ -115,7 +116,7 @@ def run_simulate(cfg, out: Path) -> list[dict]:
     else:
         shutil.rmtree(out, ignore_errors=True)
         quiet_libraries()
-        simulate(cfg, out)
+        simulate(cfg, out, engine=engine)
     return load_metrics(out)
 
 

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from statistics import median
 
+from ciders_cloud.study.engines import EngineSettings
+
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     RESULTS,
@@ -75,6 +77,8 @@ def main() -> None:
     ap.add_argument("--algorithms", default="ciders-fo,fedavg")
     ap.add_argument("--epsilons", default="inf,8,2")
     ap.add_argument("--clip-scales", default="1", help="C as multiples of the median norm, for each finite epsilon")
+    ap.add_argument("--engine", default="in-process", help="in-process, or flower (Flower's Simulation Engine)")
+    ap.add_argument("--actors", type=int, default=None, help="--engine flower: Ray actors on this machine")
     args = ap.parse_args()
     data, evals = shards(args.out / "shards", args.clients, args.records)
     study = {
@@ -87,6 +91,7 @@ def main() -> None:
         "sampling": "poisson",
         "eval_examples": args.eval_examples,
     }
+    engine = EngineSettings(args.engine, actors=args.actors)  # refused here, before any study starts
     epsilons = sorted(map(float, args.epsilons.split(",")), key=math.isfinite)  # ε = ∞ first: it sets C
     scales = [float(x) for x in args.clip_scales.split(",")]
     rows = {}
@@ -96,7 +101,8 @@ def main() -> None:
             for scale in [1.0] if math.isinf(eps) else scales:
                 dp = {} if math.isinf(eps) else {"clip": scale * median_norm, "target_epsilon": eps}
                 name = f"{algorithm}-eps{eps:g}" + (f"-clip{scale:g}" if scale != 1 else "")
-                metrics = run_simulate(domain_study(DOMAINS, algorithm=algorithm, dp=dp, **study), args.out / name)
+                cfg = domain_study(DOMAINS, algorithm=algorithm, dp=dp, **study)
+                metrics = run_simulate(cfg, args.out / name, engine)
                 if math.isinf(eps):
                     median_norm = clip_bound(args.out / name)
                 rows[algorithm, eps, scale] = row(metrics, dp)

@@ -157,3 +157,15 @@ def fleet_factory(tmp_path):
     yield make
     for f in fleets:
         f.close()
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-for-bit figures need one reduction order: xdist's workers already run one thread; serial runs too
+    (and Ray's actors, which hold one CPU each)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,15 +24,6 @@ def _metrics(out) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # a clock
 
 
-@pytest.fixture
-def one_thread():
-    """Ray's actors hold one CPU, so torch runs one thread there: the in-process engine does the same."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_the_flower_engine_runs_the_in_process_study_to_the_bit(demo_dir, tmp_path, one_thread):
     """Three rounds, a third of the clients left out each round, DP noise from the study's seed; the Flower
     study runs two rounds, then ``--resume`` takes it to three on the Flower engine again."""

@@ -43,15 +43,6 @@ def _pinned(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in UNPINNED} for r in rows]
 
 
-@pytest.fixture
-def one_thread():
-    """Bit-for-bit figures need one reduction order: xdist's workers already run one thread; serial runs too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("algorithm", sorted(STRATEGIES))
 def test_every_algorithm_runs_three_rounds(demo_dir, tmp_path, algorithm, one_thread):
     out = tmp_path / algorithm
