@@ -5,8 +5,8 @@ the same files, and the round loop around them (:mod:`.round_loop`) is one: samp
 evaluation do not know which engine carried the clients.
 
 - :class:`InProcess` (the default): one client after another in this process.
-- ``flower`` (:mod:`.flower_engine`): the fleet's ClientApp on virtual SuperNodes of Flower's Simulation
-  Engine, in Ray actors over this machine's cores and GPUs or an existing Ray cluster.
+- ``flower`` (:mod:`.flower_engine`): the study's ClientApp (:mod:`ciders_edge.fleet.virtual`) on virtual
+  SuperNodes of Flower's Simulation Engine, in Ray actors over this machine's cores and GPUs or a Ray cluster.
 """
 
 from __future__ import annotations
