@@ -157,12 +157,15 @@ def _why(best: dict, scores: dict) -> str:
 
 
 def _evidence(best: dict, scores: dict) -> str:
-    """What made ``best`` the best: its NLL on the held-out slice, beside its rivals' that lost."""
+    """What made ``best`` the best: its NLL on the held-out slice beside its rivals', and the margin a rival
+    of this round's personalized messenger had to win by (:func:`~ciders_edge.training.validation.validate`)."""
     rivals = ", ".join(
         f"{k} {s['nll']:.4f}" for k, s in scores.items() if k in ("personalized", "global") and k != best["messenger"]
     )
-    where = f"lowest NLL on {best.get('records', '?')} held-out records in round {best['scored_round']}"
-    return f"{where}: {best['nll']:.4f}" + (f", against {rivals}" if rivals else "")  # said inside infer's ( )
+    where = f"chosen on {best.get('records', '?')} held-out records in round {best['scored_round']}"
+    se = best.get("se")
+    margin = f", ahead of the personalized one by more than its standard error {se:.4f}" if se else ""
+    return f"{where}: NLL {best['nll']:.4f}" + (f", against {rivals}" if rivals else "") + margin  # inside infer's ( )
 
 
 def load_backbone(

@@ -4,13 +4,18 @@
 the round it scores, on the backbone the device deploys, the base model, the bundle's global messenger
 v, this round's personalized x_K, the mixtures α·x_K + (1−α)·v (the personalized LoRA interpolated
 toward the global one, factor by factor as the cloud averages them) and the best messenger kept from
-earlier rounds, re-scored. The lowest NLL becomes the state's best: under partial participation or
-skewed data the global messenger can beat a device's own (RESULTS.md's long run).
+earlier rounds, re-scored. Under partial participation or skewed data the global messenger can beat a
+device's own (RESULTS.md's long run), so any of them can become the state's best. But a slice holds 8 to 128
+records: a rival replaces this round's personalized messenger only when its NLL is lower by more than the
+paired standard error of the gap, record by record on the slice. Smaller gaps are the slice's noise, and
+picking on them deployed a stale or mixed messenger that held-out data scored worse (issue 58's study).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +29,12 @@ from ciders_edge.tensors import Tensors
 __all__ = [
     "MIX_ALPHAS",
     "Choice",
+    "Scores",
     "Validation",
+    "deployable",
     "mix",
     "messenger_scores",
+    "paired_se",
     "validate",
 ]
 
@@ -39,27 +47,49 @@ def mix(x: Tensors, v: Tensors, alpha: float) -> Tensors:
     return {k: alpha * x[k] + (1 - alpha) * v[k] for k in v}
 
 
+class Scores(NamedTuple):
+    """A messenger's scores on a slice, and its loss record by record (for the paired standard error)."""
+
+    nll: float  # per response token
+    exact_match: float | None  # on the records with short answers, None without any
+    short: int  # records with short answers
+    record_nll: torch.Tensor  # (records,) summed token NLL of each record
+    record_tokens: torch.Tensor  # (records,) response tokens of each record
+
+
 @torch.no_grad()
-def messenger_scores(edge: EdgeModel, batches: list[BackboneBatch]) -> tuple[float, float | None, int]:
+def messenger_scores(edge: EdgeModel, batches: list[BackboneBatch]) -> Scores:
     """NLL per response token of the messenger now loaded, and greedy exact match on the records with
     short answers (and how many). Greedy decoding writes the reference exactly when every reference
     token, up to the end of turn, is the argmax given the reference before it: one teacher-forced pass."""
     edge.model.eval()
     eos = torch.tensor(_eos_ids(edge))
-    total, tokens, hits, short = 0.0, 0, 0, 0
+    record_nll, record_tokens, hits, short = [], [], 0, 0
     for b in batches:
         logits = messenger_logits(edge.model, b.hidden, b.ctx, edge.split.n_kept, b.positions).float()
-        total += float(F.cross_entropy(logits, b.targets, reduction="sum"))
-        tokens += b.targets.numel()
+        losses = F.cross_entropy(logits, b.targets, reduction="none").cpu()
         targets, rows = b.targets.cpu(), b.positions[0].cpu()
         right = logits.argmax(-1).cpu() == targets
         for row in rows.unique():
             mine = rows == row
+            record_nll.append(losses[mine].sum())
+            record_tokens.append(int(mine.sum()))
             ends, ok = torch.isin(targets[mine], eos).nonzero(), right[mine]
             if len(ends) and int(ends[0]) < SHORT_ANSWER:  # a whole short answer (not one cut by seq_len)
                 short += 1
                 hits += bool(ok[: int(ends[0]) + 1].all())
-    return total / max(tokens, 1), (hits / short if short else None), short
+    nll, tokens = torch.stack(record_nll).double(), torch.tensor(record_tokens, dtype=torch.float64)
+    return Scores(float(nll.sum() / tokens.sum()), hits / short if short else None, short, nll, tokens)
+
+
+def paired_se(a: Scores, b: Scores) -> float:
+    """Standard error of NLL(a) − NLL(b) measured on the same records: the per-token NLL is a ratio of
+    sums, so each record's residual is its loss gap less the mean gap times its tokens."""
+    gaps, tokens = a.record_nll - b.record_nll, a.record_tokens
+    if len(gaps) < 2:
+        return math.inf
+    residual = gaps - gaps.sum() / tokens.sum() * tokens
+    return float(torch.sqrt(len(gaps) / (len(gaps) - 1) * (residual**2).sum()) / tokens.sum())
 
 
 def _eos_ids(edge: EdgeModel) -> list[int]:
@@ -77,6 +107,7 @@ class Choice:
     nll: float = float("inf")
     exact_match: float | None = None
     scored_round: int = -1  # the round it was last scored in, on that round's backbone
+    se: float = 0.0  # paired standard error of its NLL gap to this round's personalized messenger (its own: 0)
 
     @property
     def name(self) -> str:
@@ -108,9 +139,17 @@ class Validation:
         out: dict = {"val_records": self.records, "val_short_answers": self.short_answers}
         for c in self.scores:
             out[f"val_nll_{c.name}"] = c.nll
+            if c.se:
+                out[f"val_se_{c.name}"] = c.se
             if c.exact_match is not None:
                 out[f"val_em_{c.name}"] = c.exact_match
         return {**out, "deployed": self.best.label(), "deployed_nll": self.best.nll}
+
+
+def deployable(choices: list[Choice]) -> int:
+    """The index of the lowest NLL plus standard error: the first choice (this round's personalized messenger,
+    whose own ``se`` is 0) unless a rival's NLL is lower by more than its paired standard error."""
+    return min(range(len(choices)), key=lambda i: choices[i].nll + choices[i].se)
 
 
 def validate(
@@ -121,7 +160,8 @@ def validate(
     kept: tuple[Tensors, dict] | None,
     rounds: tuple[int, int],
 ) -> Validation:
-    """Score the candidates on ``edge`` (the backbone the device deploys) and pick the lowest NLL.
+    """Score the candidates on ``edge`` (the backbone the device deploys) and pick the lowest NLL plus
+    standard error: a rival must beat this round's personalized messenger by more than the slice's noise.
 
     ``v``: the bundle's global messenger; ``x``: this round's personalized one; ``kept``: the state's best
     so far and its :class:`Choice` fields; ``rounds``: (the bundle's round, the state's)."""
@@ -136,11 +176,13 @@ def validate(
         info = {k: kept[1][k] for k in ("messenger", "round", "alpha")}
         candidates.append((Choice(**info), kept[0]))
     batches = backbone_batches(edge, val)
-    short = 0
+    scores = []
     for choice, tensors in candidates:
         edge.use_messenger(tensors)
-        choice.nll, choice.exact_match, short = messenger_scores(edge, batches)
-        choice.scored_round = bundle_round
-    best, tensors = min(candidates, key=lambda c: c[0].nll)
-    scores = [c for c, _ in candidates[: len(candidates) - (kept is not None)]]
-    return Validation(len(val), short, scores, best, {k: t.detach().clone() for k, t in tensors.items()})
+        scores.append(messenger_scores(edge, batches))
+        choice.nll, choice.exact_match, choice.scored_round = scores[-1].nll, scores[-1].exact_match, bundle_round
+        choice.se = paired_se(scores[0], scores[-1]) if len(scores) > 1 else 0.0
+    best, tensors = candidates[deployable([c for c, _ in candidates])]
+    short = scores[0].short
+    rivals = [c for c, _ in candidates[: len(candidates) - (kept is not None)]]
+    return Validation(len(val), short, rivals, best, {k: t.detach().clone() for k, t in tensors.items()})

@@ -18,7 +18,7 @@ from ciders_edge.inference.evaluate import backbone_batches
 from ciders_edge.inference.generation import GenerationSettings, generate_batch
 from ciders_edge.inference.personalize import load_personalized, personal_messenger
 from ciders_edge.model.forward import messenger_loss, run_backbone
-from ciders_edge.training.validation import messenger_scores, mix
+from ciders_edge.training.validation import Choice, Scores, deployable, messenger_scores, mix, paired_se
 
 runner = CliRunner()
 
@@ -87,13 +87,36 @@ def test_teacher_forced_exact_match_is_greedy_decodings(tiny_run):
         messenger_loss(edge.model, fit, edge.split.n_kept).backward()
         opt.step()
     batches = backbone_batches(edge, examples)
-    nll, em, short = messenger_scores(edge, batches)
+    nll, em, short, record_nll, record_tokens = messenger_scores(edge, batches)
     answers = generate_batch(edge.model, tok, [[{"role": "user", "content": q}] for q, _ in qa], GenerationSettings())
     greedy = [a == ref for a, (_, ref) in zip(answers, qa, strict=True)]
     assert greedy == [True, True, False] and (em, short) == (2 / 3, 3)
     with torch.no_grad():
         want = torch.cat([messenger_loss(edge.model, b, edge.split.n_kept, reduction="none") for b in batches])
     assert nll == pytest.approx(float(want.mean()), rel=1e-6)
+    assert len(record_nll) == 3 and float(record_nll.sum() / record_tokens.sum()) == pytest.approx(nll, rel=1e-12)
+
+
+def _scores(record_nll: list[float], tokens: list[int]) -> Scores:
+    nll, n = torch.tensor(record_nll, dtype=torch.float64), torch.tensor(tokens, dtype=torch.float64)
+    return Scores(float(nll.sum() / n.sum()), None, 0, nll, n)
+
+
+def test_the_paired_standard_error_is_the_ratio_estimators():
+    """Three records of 2, 4 and 2 tokens. Gaps (summed NLL) 1.0, 0.8, -0.2: mean gap 1.6 / 8 = 0.2 per token;
+    residuals 1.0 - 0.4, 0.8 - 0.8, -0.2 - 0.4 = 0.6, 0, -0.6; SE = sqrt(3/2 * 0.72) / 8 = sqrt(1.08) / 8."""
+    a, b = _scores([3.0, 4.0, 1.0], [2, 4, 2]), _scores([2.0, 3.2, 1.2], [2, 4, 2])
+    assert a.nll - b.nll == pytest.approx(0.2)
+    assert paired_se(a, b) == pytest.approx(1.08**0.5 / 8, rel=1e-12)
+    assert paired_se(a, a) == 0.0 and paired_se(_scores([1.0], [3]), _scores([0.5], [3])) == float("inf")
+
+
+@pytest.mark.parametrize(("rival_nll", "deployed"), [(1.0, "personalized"), (0.985, "personalized"), (0.97, "global")])
+def test_a_rival_must_win_by_more_than_its_standard_error(rival_nll, deployed):
+    """A slice of 8 records cannot tell 0.01 nats apart when the gap's standard error is 0.02: the device keeps
+    this round's personalized messenger (on a tie too) and deploys the rival only beyond the noise."""
+    choices = [Choice("personalized", 3, nll=1.0), Choice("global", 3, nll=rival_nll, se=0.02)]
+    assert choices[deployable(choices)].messenger == deployed
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +137,12 @@ def test_train_scores_every_candidate_and_the_state_keeps_the_best(mixed):
     bundle, state_dir, summary = mixed
     nll = {k[8:]: v for k, v in summary.items() if k.startswith("val_nll_")}
     assert set(nll) == {"base", "global", "personalized", "mix_0.25", "mix_0.5", "mix_0.75"}
-    assert summary["val_records"] == 8 and summary["deployed_nll"] == min(nll.values()) < nll["personalized"]
+    se = {k: summary.get(f"val_se_{k}", 0.0) for k in nll}
+    assert 0 < se["global"] < nll["personalized"] - nll["global"]  # a step of 30 is far beyond the slice's noise
+    best = min(nll, key=lambda k: nll[k] + se[k])
+    assert summary["val_records"] == 8 and summary["deployed_nll"] == nll[best] < nll["personalized"]
     assert summary["val_seconds"] > 0 and summary["train_seconds"] > 0  # the slice's cost, beside training's
     state = ClientState.load(state_dir)
-    best = min(nll, key=nll.get)
     assert state.best_info["nll"] == nll[best] and state.best_info["round"] == 0
     assert {k: s["nll"] for k, s in state.validation.items()} == nll
     v = {k: t.float() for k, t in Bundle.load(bundle).messenger_lora().items()}
@@ -130,7 +155,8 @@ def test_infer_and_export_use_the_best_unless_told_and_say_which(mixed, tmp_path
     b = Bundle.load(bundle)
     best, source = personal_messenger(b, state_dir, "best")
     latest, latest_source = personal_messenger(b, state_dir, "latest")
-    assert source.messenger == "best" and "lowest NLL" in source.choice and latest_source.messenger == "personalized"
+    assert source.messenger == "best" and "held-out records" in source.choice
+    assert latest_source.messenger == "personalized"
     assert any(not torch.equal(best[k], latest[k]) for k in best)
     assert not source.same_model(latest_source.to_dict())
     args = ["infer", "--bundle", str(bundle), "--state", str(state_dir), "--runtime", "torch", "--prompt", "hi"]
@@ -220,8 +246,11 @@ def test_the_choice_names_the_rivals_it_beat_not_itself():
     scores = {"personalized": {"nll": 0.0552}, "global": {"nll": 0.4429}, "mix_0.5": {"nll": 0.121}}
     best = {"messenger": "personalized", "round": 0, "nll": 0.0552, "records": 20, "scored_round": 0}
     assert _why(best, scores) == (
-        "the personalized messenger of round 0, lowest NLL on 20 held-out records in round 0: 0.0552, "
+        "the personalized messenger of round 0, chosen on 20 held-out records in round 0: NLL 0.0552, "
         "against global 0.4429"
     )
-    mixed = {**best, "messenger": "mix", "alpha": 0.75, "nll": 0.04}
-    assert _why(mixed, scores).endswith("in round 0: 0.0400, against personalized 0.0552, global 0.4429")
+    mixed = {**best, "messenger": "mix", "alpha": 0.75, "nll": 0.04, "se": 0.0061}
+    assert _why(mixed, scores).endswith(
+        "in round 0: NLL 0.0400, against personalized 0.0552, global 0.4429, "
+        "ahead of the personalized one by more than its standard error 0.0061"
+    )
