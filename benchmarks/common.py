@@ -105,19 +105,36 @@ def run_simulate(cfg, out: Path, engine=None) -> list[dict]:
     """One ``simulate`` run (the CLIs' code; its clients on ``engine``, an ``EngineSettings``, default
     in-process); returns its ``metrics.jsonl`` records.
 
-    Resumable: a run that finished in ``out`` with the same config is read back, not run again,
-    so an interrupted benchmark restarts where it stopped; an unfinished one starts over."""
+    Resumable: a run that finished in ``out`` with the same config is read back, not run again. Else the
+    study is made by a one-round ``simulate`` (a study is kept only once its first call ends) and grown by
+    ``simulate --resume``, which a rerun after a stop continues from the last round committed (the metrics
+    then also hold round 0's evaluation); a study of other settings in ``out`` starts over."""
     from ciders_cloud.study.report import load_metrics
+    from ciders_cloud.study.resume import resume
     from ciders_cloud.study.simulate import simulate
     from ciders_edge.cli_utils import quiet_libraries
 
     if _finished(cfg, out):
         print(f"{out}: finished before, read back", flush=True)
+        return load_metrics(out)
+    quiet_libraries()
+    if _same_study(cfg, out):
+        print(f"{out}: unfinished, resumed", flush=True)
     else:
         shutil.rmtree(out, ignore_errors=True)
-        quiet_libraries()
-        simulate(cfg, out, engine=engine)
+        simulate(cfg.replace(rounds=1), out, engine=engine)
+    resume(out, cfg.rounds, engine=engine)
     return load_metrics(out)
+
+
+def _same_study(cfg, out: Path, rounds: bool = False) -> bool:
+    """``out`` holds a study of ``cfg``'s settings (and of its rounds, with ``rounds``)."""
+    try:
+        saved = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    want = json.loads(json.dumps(cfg.to_dict()))
+    return saved == want if rounds else {**saved, "rounds": None} == {**want, "rounds": None}
 
 
 def _finished(cfg, out: Path) -> bool:
@@ -125,11 +142,11 @@ def _finished(cfg, out: Path) -> bool:
     from ciders_cloud.study.report import load_metrics
 
     try:
-        same = json.loads((out / "config.json").read_text()) == json.loads(json.dumps(cfg.to_dict()))
         rows = load_metrics(out)
     except (OSError, ValueError):  # ConfigError (no metrics) is a ValueError
         return False
-    return same and any(r["type"] == "cross" and r["round"] == cfg.rounds - 1 for r in rows)
+    last = cfg.rounds - 1
+    return _same_study(cfg, out, rounds=True) and any(r["type"] == "cross" and r["round"] == last for r in rows)
 
 
 def final_scores(rows: list[dict]) -> dict:
