@@ -1,6 +1,8 @@
 """What client-level differential privacy costs: matched-domain and global NLL against epsilon, CIDERS-FO and FedAvg.
 
     python benchmarks/privacy.py --clients 50 --rounds 5 --participation 0.2 --epsilons inf,8,2
+    python benchmarks/privacy.py --clients 1000 --participation 0.1 --records 3 --messenger-depth 2 \
+        --domains medical,customer_support,code,general --engine flower --actors 2 --name privacy_population
 
 SmolLM2-135M, five_domain: N clients, N/5 per domain, each with a few records of its domain's
 ``train.jsonl`` (disjoint shards) and scored on its domain's ``eval.jsonl``. Each (algorithm, epsilon)
@@ -8,7 +10,9 @@ is one ``simulate`` with Poisson sampling of rate q and delta = 1/N; epsilon = i
 DP. The clip bound C is the median displacement norm of the algorithm's non-private run (the clip
 quantile 0.5 of adaptive clipping), so about half the displacements are clipped; ``--clip-scales 1,0.1``
 also runs each finite epsilon at C = 0.1 x that median (less noise, smaller steps). Resumable: a finished
-configuration is read back. Writes ``results/privacy.{json,md,png}``.
+configuration is read back, an unfinished one goes on from its last round. Writes ``results/NAME.{json,md,png}``
+(``--name``, default privacy), with, where a finite epsilon loses more than 0.1 nats of matched NLL, the
+population the measured trend needs (:func:`population_needed`).
 """
 
 from __future__ import annotations
@@ -34,18 +38,19 @@ from common import (  # noqa: E402
 )
 
 DOMAINS = ("medical", "finance", "customer_support", "code", "general")
+TOLERANCE = 0.1  # nats of matched NLL a private run may lose against epsilon = inf (issue 61)
 
 
-def shards(out: Path, clients: int, records: int) -> tuple[list[str], list[str]]:
+def shards(out: Path, clients: int, records: int, domains: tuple[str, ...] = DOMAINS) -> tuple[list[str], list[str]]:
     """Each client's training shard (``records`` of its domain's train.jsonl, disjoint, each with a
     response within the sequence length, so every shard trains) and eval file."""
     five = data_dir("five_domain")
     out.mkdir(parents=True, exist_ok=True)
-    fitting = {d: trainable_lines(five / d / "train.jsonl", (clients // len(DOMAINS) + 1) * records) for d in DOMAINS}
+    fitting = {d: trainable_lines(five / d / "train.jsonl", (clients // len(domains) + 1) * records) for d in domains}
     data, evals = [], []
     for i in range(clients):
-        domain = DOMAINS[i % len(DOMAINS)]
-        k = i // len(DOMAINS)
+        domain = domains[i % len(domains)]
+        k = i // len(domains)
         lines = fitting[domain][k * records : (k + 1) * records]
         if len(lines) < records:
             sys.exit(f"{domain}: too few records for {clients} clients of {records} each")
@@ -79,8 +84,12 @@ def main() -> None:
     ap.add_argument("--clip-scales", default="1", help="C as multiples of the median norm, for each finite epsilon")
     ap.add_argument("--engine", default="in-process", help="in-process, or flower (Flower's Simulation Engine)")
     ap.add_argument("--actors", type=int, default=None, help="--engine flower: Ray actors on this machine")
+    ap.add_argument("--domains", default=",".join(DOMAINS), help="five_domain's (finance has 80 trainable records)")
+    ap.add_argument("--messenger-depth", type=int, default=6)
+    ap.add_argument("--name", default="privacy", help="the results files' name")
     args = ap.parse_args()
-    data, evals = shards(args.out / "shards", args.clients, args.records)
+    domains = tuple(args.domains.split(","))
+    data, evals = shards(args.out / "shards", args.clients, args.records, domains)
     study = {
         "data": data,
         "eval_data": evals,
@@ -90,6 +99,7 @@ def main() -> None:
         "participation": args.participation,
         "sampling": "poisson",
         "eval_examples": args.eval_examples,
+        "messenger_depth": args.messenger_depth,
     }
     engine = EngineSettings(args.engine, actors=args.actors)  # refused here, before any study starts
     epsilons = sorted(map(float, args.epsilons.split(",")), key=math.isfinite)  # ε = ∞ first: it sets C
@@ -101,7 +111,7 @@ def main() -> None:
             for scale in [1.0] if math.isinf(eps) else scales:
                 dp = {} if math.isinf(eps) else {"clip": scale * median_norm, "target_epsilon": eps}
                 name = f"{algorithm}-eps{eps:g}" + (f"-clip{scale:g}" if scale != 1 else "")
-                cfg = domain_study(DOMAINS, algorithm=algorithm, dp=dp, **study)
+                cfg = domain_study(domains, algorithm=algorithm, dp=dp, **study)
                 metrics = run_simulate(cfg, args.out / name, engine)
                 if math.isinf(eps):
                     median_norm = clip_bound(args.out / name)
@@ -110,8 +120,10 @@ def main() -> None:
     header = ["algorithm", "ε", "C", "z", "noise std / element", "clipped", "matched NLL (pers.)", "vs ε=∞"]
     header += ["global NLL", "vs ε=∞"]
     payload = {f"{a}-eps{e:g}-clip{c:g}": r for (a, e, c), r in rows.items()}
-    write_results("privacy", {"rows": payload, "args": vars(args) | {"out": str(args.out)}}, table(rows), header)
-    plot(rows, RESULTS / "privacy.png")
+    needed = population_needed(rows, args.clients)
+    payload = {"rows": payload, "population_needed": needed, "args": vars(args) | {"out": str(args.out)}}
+    write_results(args.name, payload, table(rows), header, needed_note(needed, args.clients))
+    plot(rows, RESULTS / f"{args.name}.png")
 
 
 def row(metrics: list[dict], dp: dict) -> dict:
@@ -172,6 +184,52 @@ def plot(rows: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(json.dumps({"plot": str(path)}))
+
+
+def population_needed(rows: dict, clients: int) -> dict[str, dict]:
+    """Per algorithm and finite epsilon, the population at which its matched-NLL loss against epsilon = inf
+    would be ``TOLERANCE``.
+
+    The trend is measured, not assumed: the loss against the noise std on the mean, log-log through the
+    finite epsilons run here (two or more), loss ~ sigma^k; sigma* is where it meets the tolerance. The noise
+    std scales as 1/N at a fixed sampling rate and noise multiplier (delta = 1/N moves z a little: ignored),
+    so each epsilon needs N x sigma / sigma*, or N itself where its loss is within the tolerance already.
+    No trend (``k`` None) from one point, or from losses that do not grow with the noise."""
+    out = {}
+    for algorithm in sorted({a for a, _, _ in rows}):
+        base = rows[algorithm, math.inf, 1.0]["matched_nll"]
+        pts = {
+            e: (r["noise_std_of_mean"], r["matched_nll"] - base)
+            for (a, e, c), r in rows.items()
+            if a == algorithm and math.isfinite(e) and c == 1.0 and r["noise_std_of_mean"]
+        }
+        (s0, l0), (s1, l1) = min(pts.values()), max(pts.values())  # the least and the most noise
+        k = math.log(l1 / l0) / math.log(s1 / s0) if len(pts) > 1 and min(l0, l1) > 0 and s1 > s0 else None
+        if k is not None and k <= 0:
+            k = None
+        sigma_star = s1 * (TOLERANCE / l1) ** (1 / k) if k else None
+        need = {
+            f"{e:g}": float(clients) if loss <= TOLERANCE else (clients * s / sigma_star if sigma_star else None)
+            for e, (s, loss) in sorted(pts.items(), reverse=True)
+        }
+        out[algorithm] = {"k": k, "sigma_star": sigma_star, "clients": need}
+    return out
+
+
+def needed_note(needed: dict[str, dict], clients: int) -> str:
+    """The markdown note under the table: the population each finite epsilon needs to lose at most 0.1 nats."""
+    parts = []
+    for algorithm, n in needed.items():
+        each = ", ".join(
+            f"ε = {e}: " + ("met" if c is not None and c <= clients else "no trend" if c is None else f"{c:,.0f}")
+            for e, c in n["clients"].items()
+        )
+        trend = f" (loss ~ noise std^{n['k']:.2f})" if n["k"] else ""
+        parts.append(f"{algorithm}: {each}{trend}")
+    return (
+        f"Clients needed for a finite ε to lose at most {TOLERANCE} nats of matched NLL against ε = ∞ (N = {clients} "
+        f"here; the noise std on the mean scales as 1/N at this sampling rate): " + "; ".join(parts) + "."
+    )
 
 
 if __name__ == "__main__":
