@@ -48,7 +48,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "eval_every": (1, 100_000),
     # batch shapes
     "batch_size": (1, 4096),
-    "hvp_batch_size": (1, 4096),  # with probe_batches and neumann_terms: FedNest's (strategies/fednest/)
+    "hvp_batch_size": (1, 4096),  # with probe_batches and neumann_terms: a bilevel strategy's (the cloud's)
     "grad_accum": (1, 1024),
     "seq_len": (1, 131_072),
     "probe_batches": (1, 10_000),

@@ -18,11 +18,12 @@ __all__ = ["BilevelAsk", "RoundHyperparams", "gamma_schedule"]
 
 @dataclass
 class BilevelAsk(ConfigMixin):
-    """What FedNest's family asks an edge for besides K local steps: the client loss's gradients at the
-    bundle's point (docs/design.md §2, eq. 3), which only the edge can compute. Other algorithms ask nothing."""
+    """What a bilevel strategy asks an edge for besides K local steps: the client loss's gradients at the
+    bundle's point (docs/design.md §2, eq. 3; :mod:`ciders_edge.training.bilevel`), which only the edge can
+    compute. Other algorithms ask nothing."""
 
     probe_batches: int = 4  # mini-batches behind grad f_i at the bundle's point
-    grad_y_in_packet: bool = False  # LFedNest: grad_y f_i rides in the Δc packet (FedNest: in a probe packet)
+    grad_y_in_packet: bool = False  # grad_y f_i rides in the Δc packet (False: in a probe packet before training)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class RoundHyperparams(ConfigMixin):
     takd_steps: int = 5  # T_L warm-started TAKD steps per round on the cloud
     takd_lambda_task: float = 0.0  # their task-CE weight (prepare's bootstrap uses the run's `takd.lambda_task`)
     start_from: str = "global"  # x_0: the global messenger v, or this client's own (local-only baselines)
-    bilevel: dict | None = None  # BilevelAsk's keys, set by FedNest and LFedNest only (absent from other bundles)
+    bilevel: dict | None = None  # BilevelAsk's keys, set by bilevel strategies only (absent from other bundles)
     # differential privacy clipped on the edge: the L2 bound C of Delta_i before eq. (10) (absent from other bundles)
     displacement_clip: float | None = None
 

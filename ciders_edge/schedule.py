@@ -1,5 +1,6 @@
 """The local steps' learning-rate schedule (eq. (8)'s warmup-cosine), where both sides read it: the edge's
-K steps follow it, the cloud's LFedNest correction scales by its mean, and the bootstrap warms up the same way."""
+K steps follow it, a cloud correction added to every local step's displacement scales by its mean, and the
+bootstrap warms up the same way."""
 
 from __future__ import annotations
 

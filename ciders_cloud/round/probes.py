@@ -39,8 +39,9 @@ def aggregate_probes(run_dir: Path, items: list[tuple[str, bytes]], device: str 
     hp = check_round(run_dir, run, state, received, expected={**state.messenger, **state.backbone})
     weights = participation_weights([r.packet.num_examples for r in received])
     cloud = CloudRound(run, state, hp, load_cloud_models(run_dir, run, state, device))
-    h, report = strategy_for(run).aggregate_probes([r.packet.tensors for r in received], weights, cloud)
-    path = RunFolder(run_dir).probe_answer(state.round)
+    strategy = strategy_for(run)
+    h, report = strategy.aggregate_probes([r.packet.tensors for r in received], weights, cloud)
+    path = RunFolder(run_dir).probe_answer(state.round, strategy.probe_answers)
     write_safetensors(path, h, {"round": str(state.round)})
     return {
         "round": state.round,

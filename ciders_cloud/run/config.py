@@ -9,7 +9,7 @@ One word, one meaning: ``clients`` is a count (simulate's), ``client_ids`` a lis
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from ciders_edge.model.lora import LoraSettings
 
 __all__ = [
     "TakdConfig",
+    "StrategyTables",
     "RunConfig",
     "load_run",
     "HIDDEN_LOSSES",
@@ -82,7 +83,21 @@ class TakdConfig(ConfigMixin):
 
 
 @dataclass
-class RunConfig(ConfigMixin):
+class StrategyTables:
+    """The tables of settings that belong to a strategy family, one each, in a run's config and a study's (TOML
+    tables of these names): data here, checked by the strategy that reads them (its ``check``, and the study's
+    file against ``ciders_cloud.strategies.SETTINGS_TABLES``). An algorithm with settings of its own adds its
+    table here and there, and the round loop and ``simulate`` pass it on without naming it."""
+
+    fednest: dict = field(default_factory=dict)  # FedNest's and LFedNest's settings (strategies/fednest/)
+
+    def strategy_tables(self) -> dict[str, dict]:
+        """Every strategy table by name, as :class:`RunConfig` takes them."""
+        return {f.name: getattr(self, f.name) for f in fields(StrategyTables)}
+
+
+@dataclass
+class RunConfig(StrategyTables, ConfigMixin):
     """Everything ``prepare`` decided; later commands read it back instead of re-asking."""
 
     CHOICES = {
@@ -117,7 +132,6 @@ class RunConfig(ConfigMixin):
     takd: dict = field(default_factory=lambda: TakdConfig().to_dict())
     hyperparameters: dict = field(default_factory=lambda: RoundHyperparams().to_dict())
     algorithm: str = "ciders-fo"  # a strategy in ciders_cloud.strategies (which checks the name)
-    fednest: dict = field(default_factory=dict)  # FedNest's and LFedNest's settings (checked by their strategy)
     gamma_schedule: str = "constant"  # constant (hyperparameters.gamma) | protocol-c
     client_ids: list[str] = field(default_factory=list)  # the accepted clients; empty: any
     participation: float = 1.0  # q: the share of client_ids each round samples (simulate's and the fleet's)

@@ -16,7 +16,8 @@ A run folder, made by ``ciders-cloud prepare --out RUN`` (:class:`RunFolder`)::
         takd_optimizer.safetensors          TAKD's AdamW moments, per backbone        TAKD_OPTIMIZER
       bundles/<profile>/round-XXXX/       what edges train on in round XXXX           .bundle(profile, round_)
       keys/<client>.key                   optional: <client>'s packets must carry its tag   .key_file(client)
-      hypergradients/round-XXXX.safetensors   FedNest's h for round XXXX           .probe_answer(round_)
+      <answers>/round-XXXX.safetensors    a strategy's answer to round XXXX's probes   .probe_answer(round_, answers)
+                                          (the folder is the strategy's: Strategy.probe_answers)
       nodes/<client>.pub                  the edges a fleet admits                    .nodes, .node_keys()
       certs/                              serve's default TLS material (CertsFolder)  .certs
       fleet/                              serve's side of Flower                      .fleet
@@ -36,7 +37,7 @@ A study, made by ``ciders-cloud simulate --out OUT`` (:class:`StudyFolder`)::
       data/<client>/eval.jsonl            its held-out records                        .eval_data(client)
       clients/<client>/                   its edge state folder                       .client_state(client)
       packets/round-XXXX/<client>.pkt     its Δc packet of round XXXX                 .packet(round_, client)
-      packets/round-XXXX/<client>.probe.pkt   FedNest's gradient packet             .probe_packet(round_, client)
+      packets/round-XXXX/<client>.probe.pkt   its probe packet (gradients)        .probe_packet(round_, client)
       metrics.jsonl                       client, round, eval records (report's input)   .metrics
       snapshots/round-XXXX/<client>/      its state before round XXXX, until that round    .snapshot(round_, client)
                                           commits (``simulate --resume`` puts it back)
@@ -138,8 +139,9 @@ class RunFolder:
     def key_file(self, client: str) -> Path:
         return self.root / "keys" / f"{client}.key"
 
-    def probe_answer(self, round_: int) -> Path:
-        return self.root / "hypergradients" / f"{_round(round_)}.safetensors"
+    def probe_answer(self, round_: int, answers: str) -> Path:
+        """Round ``round_``'s answer to its probes, in the strategy's folder ``answers``."""
+        return self.root / answers / f"{_round(round_)}.safetensors"
 
     @property
     def nodes(self) -> Path:

@@ -14,6 +14,7 @@ from ciders_cloud.strategies.fedavg import FedAvg
 from ciders_cloud.strategies.fednest import FedNest, FedNestSettings, LFedNest
 from ciders_cloud.strategies.offsite import FedBiOT, FedOT, LocalOT
 from ciders_cloud.strategies.scaffold import Scaffold
+from ciders_edge.config import ConfigMixin
 from ciders_edge.errors import ConfigError
 from ciders_edge.hyperparams import RoundHyperparams
 
@@ -22,6 +23,7 @@ __all__ = [
     "CloudRound",
     "FedNestSettings",
     "STRATEGIES",
+    "SETTINGS_TABLES",
     "get_strategy",
     "strategy_for",
     "check_run",
@@ -33,6 +35,9 @@ STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (CidersFO(), CidersFD(), FedAvg(), Scaffold(), FedOT(), FedBiOT(), LocalOT(), FedNest(), LFedNest())
 }
+
+# each strategy family's table of settings in a run's and a study's config (the fields of run.config.StrategyTables)
+SETTINGS_TABLES: dict[str, type[ConfigMixin]] = {"fednest": FedNestSettings}
 
 
 def get_strategy(name: str) -> Strategy:

@@ -53,6 +53,7 @@ class Strategy(ABC):
 
     name: str = ""
     needs_probe: bool = False  # a first exchange of gradients before training
+    probe_answers: str = "probe-answers"  # the run folder's folder of its answers to them (RunFolder.probe_answer)
 
     def for_run(self, run: RunConfig) -> Strategy:
         """This strategy with the run's settings for it (most have none)."""

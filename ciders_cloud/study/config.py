@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ciders_cloud.run.config import GAMMA_SCHEDULES, TakdConfig
+from ciders_cloud.run.config import GAMMA_SCHEDULES, StrategyTables, TakdConfig
 from ciders_cloud.run.dp_settings import SAMPLINGS, PrivacySettings
-from ciders_cloud.strategies import STRATEGIES, FedNestSettings
+from ciders_cloud.strategies import SETTINGS_TABLES, STRATEGIES
 from ciders_edge.config import ConfigMixin, check_limit
 from ciders_edge.data.holdout import check_val_fraction
 from ciders_edge.errors import ConfigError
@@ -33,11 +33,12 @@ def parse_profile_mix(text: str) -> dict[str, int]:
 
 
 @dataclass
-class SimConfig(ConfigMixin):
+class SimConfig(StrategyTables, ConfigMixin):
     """Everything ``simulate`` takes; TOML keys equal these names, CLI flags override them.
 
     ``clients`` is the number of simulated edges, as the ``--clients`` flag, a config file's key and
-    every study's ``config.json`` say; a list of client ids is always ``client_ids`` (RunConfig's).
+    every study's ``config.json`` say; a list of client ids is always ``client_ids`` (RunConfig's). A strategy's
+    own settings are its table (:class:`StrategyTables`), passed to the run as they are.
     """
 
     CHOICES = {
@@ -50,8 +51,8 @@ class SimConfig(ConfigMixin):
     TABLES = {
         "hyperparameters": RoundHyperparams,
         "takd": TakdConfig,
-        "fednest": FedNestSettings,
         "dp": PrivacySettings,
+        **SETTINGS_TABLES,
     }
 
     model: str = "tiny"
@@ -88,7 +89,6 @@ class SimConfig(ConfigMixin):
     gamma_schedule: str = "constant"
     hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
     takd: dict = field(default_factory=dict)  # TakdConfig overrides
-    fednest: dict = field(default_factory=dict)  # FedNestSettings overrides (fednest and lfednest)
     dp: dict = field(default_factory=dict)  # client-level differential privacy (PrivacySettings' keys); empty: off
 
     def __post_init__(self) -> None:

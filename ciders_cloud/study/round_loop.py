@@ -70,7 +70,7 @@ def run_rounds(
         probed = _probe(study, t, participants, profiles, engine, cfg, device) if strategy.needs_probe else {}
         for cid in participants:  # until the round commits: a resumed study trains them again from here
             keep_state(study, t, cid)
-        jobs = [_job(study, t, cid, profiles, cfg, hypergradient=probed.get("path")) for cid in participants]
+        jobs = [_job(study, t, cid, profiles, cfg, probe_answer=probed.get("path")) for cid in participants]
         outputs = engine.run(t, jobs, {cid: f"{strategy.name}{profiles.label(cid)}" for cid in participants})
         packets = [study.packet(t, cid) for cid in participants]
         agg = aggregate_files(run.root, packets, device, sampled=participants, noise_seed=cfg.seed)
@@ -113,7 +113,7 @@ def _job(
     study: StudyFolder, t: int, cid: str, profiles: StudyProfiles, cfg: SimConfig, packet: Path | None = None, **kw
 ) -> StudyJob:
     """Client ``cid``'s part of round ``t``: ``ciders-edge train``'s files and options (``kw``: the job's
-    FedNest fields)."""
+    probe fields)."""
     profile = profiles.profile_of[cid]
     return StudyJob(
         client_id=cid,

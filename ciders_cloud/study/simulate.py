@@ -155,7 +155,7 @@ def _run_config(cfg: SimConfig, ids: list[str], study: StudyFolder) -> RunConfig
         takd=TakdConfig().replace(**cfg.takd).to_dict(),
         hyperparameters=hp.to_dict(),
         algorithm=cfg.algorithm,
-        fednest=cfg.fednest,
+        **cfg.strategy_tables(),
         gamma_schedule=cfg.gamma_schedule,
         client_ids=ids,
         participation=cfg.participation,

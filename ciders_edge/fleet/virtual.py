@@ -5,7 +5,7 @@ its own process, or as Flower messages to :data:`app` on virtual SuperNodes of F
 Engine (``--engine flower``), whose Ray actors may sit on other machines that mount the study. A
 :class:`StudyJob` names the files (bundle, data, state folder, packet) and the round's options;
 :func:`run_job` trains through :func:`ciders_edge.training.train.train`, as ``ciders-edge train`` and
-the fleet's edge do, or probes (FedNest's first exchange), and returns what the cloud's diagnostics read.
+the fleet's edge do, or probes (a strategy's first exchange), and returns what the cloud's diagnostics read.
 
 :data:`app` is a ClientApp of its own, not the fleet's (:mod:`.client_app`): a job names paths to read
 and write, which a real edge must never take from the network.
@@ -46,8 +46,8 @@ class StudyJob:
     codec: str = "fp32"
     frozen_weights: str | None = None
     val_fraction: float = 0.1
-    hypergradient: str | None = None  # FedNest's h, a safetensors file the cloud wrote
-    probe: bool = False  # FedNest's first exchange: gradients at the bundle's point, the state unchanged
+    probe_answer: str | None = None  # the cloud's answer to the round's probes (the svrg direction's h), a file
+    probe: bool = False  # a strategy's first exchange: gradients at the bundle's point, the state unchanged
     partition: int | None = None  # the virtual SuperNode it is meant for (Flower's partition id)
 
     def to_record(self) -> RecordDict:
@@ -91,7 +91,7 @@ def run_job(job: StudyJob) -> Trained:
         codec=job.codec,
         frozen_weights=job.frozen_weights,
         val_fraction=job.val_fraction,
-        hypergradient=load_file(job.hypergradient) if job.hypergradient else None,
+        control=load_file(job.probe_answer) if job.probe_answer else None,
     )
     out = train(job.bundle, job.data, job.state, job.packet, options)
     return Trained(out.summary, out.delta_sent, out.result.first_direction)

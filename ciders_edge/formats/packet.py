@@ -32,7 +32,7 @@ from ciders_edge.tensors import Tensors, non_finite
 __all__ = ["Packet", "PacketHeader", "CODECS", "MAGIC", "PROBE_KIND", "consensus_digest"]
 
 MAGIC = b"CIDERSPK"
-PROBE_KIND = "gradients"  # metrics["kind"] of FedNest's probe packet (a Δc packet has none)
+PROBE_KIND = "gradients"  # metrics["kind"] of a probe packet, a strategy's first exchange (a Δc packet has none)
 FORMAT_VERSION = 1
 TAG_BYTES = 32
 MAX_HEADER = 1 << 24

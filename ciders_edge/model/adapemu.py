@@ -50,7 +50,7 @@ def load_edge_model(
     bundle: Bundle, dtype: torch.dtype | None = None, live_backbone: bool = False, quantized: bool = False
 ) -> EdgeModel:
     """Build the AdapEmu of ``bundle``: the backbone LoRA is merged (it is frozen on the edge), or
-    kept as a second adapter when the edge must differentiate through it (FedNest's grad_y f_i).
+    kept as a second adapter when the edge must differentiate through it (the bilevel ask's grad_y f_i).
 
     With ``quantized``, frozen weights the bundle ships in 8 or 4 bits stay so in memory
     (:mod:`.quantized`); the backbone LoRA then stays a live adapter, since merging would requantize.

@@ -214,7 +214,7 @@ def run_backbone(model: torch.nn.Module, batch: dict[str, Tensor], start: int) -
     """The frozen half of the AdapEmu, its first ``start`` layers (the learnable backbone, and the
     messenger layers an edge does not train), on a collated batch (``input_ids``, ``attention_mask``,
     ``labels``), moved to the model's device. Callers choose ``no_grad`` (training, scoring) or not
-    (FedNest's gradient through the backbone LoRA)."""
+    (the bilevel ask's gradient through the backbone LoRA, :mod:`ciders_edge.training.bilevel`)."""
     device = next(model.parameters()).device
     b = {k: t.to(device) for k, t in batch.items()}
     hidden, ctx = backbone_hidden(model, b["input_ids"], b["attention_mask"], start)

@@ -5,7 +5,10 @@ f_i) and the inner one y is the learnable-backbone LoRA (the cloud's TAKD loss g
 hypergradient ``grad_x f - grad_xy g [grad_yy g]^-1 grad_y f`` needs ``grad_y f_i``, which only
 the edge can compute: it back-propagates through the backbone, which therefore stays a live
 adapter here instead of being merged. FedNest uploads ``grad_x f_i`` and ``grad_y f_i`` in a
-*probe* packet before the round's training; LFedNest appends ``grad_y f_i`` to its Δc packet.
+*probe* packet before the round's training (:func:`ciders_edge.training.train.probe`), and its local
+steps take the ``svrg`` direction (:mod:`.directions`) towards the global hypergradient h the cloud forms
+from them (the round's control); LFedNest appends ``grad_y f_i`` to its Δc packet. The rest of the edge speaks
+of what it does (a probe, the svrg direction, a bilevel ask): this module is its one home for the bilevel view.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A direction is the gradient estimate at x_k that eq. (8) corrects with the proximal and consensus
 terms. CIDERS' is first-order (``fo``, eq. 4–6) or adds a finite-difference Hessian term (``fd``,
-eq. 7); FedNest's outer steps are variance-reduced towards the global hypergradient h (``svrg``).
+eq. 7); ``svrg`` reduces the variance of each local gradient towards a global control h the cloud sends
+(the outer steps of the bilevel problem, :mod:`ciders_edge.training.bilevel`).
 Every direction works on flat tensors (:mod:`ciders_edge.training.local_steps`).
 """
 
@@ -25,7 +26,7 @@ class Direction(Protocol):
     def __call__(
         self, x: Tensor, obj, hp: RoundHyperparams, metrics: dict, v: Tensor, control: Tensor | None
     ) -> Tensor:
-        """The direction at ``x`` on one mini-batch; ``v`` is the round's messenger, ``control`` FedNest's h."""
+        """The direction at ``x`` on one mini-batch; ``v`` is the round's messenger, ``control`` the round's h."""
 
 
 _FLAT = "flat"
@@ -61,7 +62,8 @@ def finite_difference(x, obj, hp, metrics, v, control) -> Tensor:
 
 
 def svrg(x, obj, hp, metrics, v, control) -> Tensor:
-    """FedNest's ``h_i,nu = grad f_i(x_i,nu) - grad f_i(x) + h``, both gradients on one batch."""
+    """``h_i,nu = grad f_i(x_i,nu) - grad f_i(x) + h``, both gradients on one batch: the local gradient, less
+    its value at the round's messenger, plus the global control h."""
     batch = obj.batch()
     loss, g0 = obj.flat_gradient(x, batch)
     metrics["loss"] = loss

@@ -73,13 +73,13 @@ def local_update(
     """Run K steps from ``x_0 = v`` and return x_K, Delta_i, the new c_i and dc_i (eq. 4–10).
 
     ``x0`` starts elsewhere (a local-only baseline continuing its own messenger); the proximal
-    term and Delta_i still refer to ``v``. ``control`` is the global hypergradient ``h`` that
-    the ``svrg`` solver (FedNest's outer steps) corrects every local gradient towards. The work
+    term and Delta_i still refer to ``v``. ``control`` is the global ``h`` that the ``svrg`` solver
+    corrects every local gradient towards (the cloud's answer to the round's probes). The work
     runs on the objective's device, in ``v``'s dtype; the results come back on ``v``'s device
     (each result's tensors are views of one buffer of its own).
     """
     if hp.solver == "svrg" and control is None:
-        raise ConfigError("the svrg solver needs the round's global hypergradient (FedNest's h)")
+        raise ConfigError("the svrg solver needs the round's control h (the cloud's answer to the round's probes)")
     direction = DIRECTIONS[hp.solver]
     packer = _Packer.of(objective, v)
     fixed = packer.pack(v), packer.pack(c), packer.pack(c_i)  # v, c, c_i: one flat tensor each

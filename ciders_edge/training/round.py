@@ -66,7 +66,7 @@ class RoundOptions:
     key: bytes | None = None  # the client key that authenticates the packet (None: unsigned)
     overrides: dict = field(default_factory=dict)  # round hyperparameters to override (local_steps, eta, ...)
     on_step: Callable[[dict], None] | None = None  # called with each local step's metrics
-    hypergradient: Tensors | None = None  # FedNest's global hypergradient h for the svrg direction
+    control: Tensors | None = None  # the svrg direction's global h (the cloud's answer to the round's probes)
     seed: int = 0  # of the data order, with the client id and round
     frozen_weights: str | None = None  # quantized | dequantized (None: the profile's)
     gradient_checkpointing: bool | None = None  # None: the profile's
@@ -112,7 +112,7 @@ def local_round(
     edge: EdgeModel, examples: list[Example], state: ClientState | None, hp: RoundHyperparams, options: RoundOptions
 ) -> RoundOutput:
     """Run K local steps and encode dc_i; the state advances by the *decoded* increment. When the round
-    asks for ``grad_y_in_packet`` (LFedNest) the packet also carries grad_y f_i at the bundle's point."""
+    asks for ``grad_y_in_packet`` (a bilevel ask) the packet also carries grad_y f_i at the bundle's point."""
     bundle = edge.bundle
     client_id, seed = options.client_id or "", options.seed
     v_all = {k: t.float() for k, t in bundle.messenger_lora().items()}
@@ -130,14 +130,14 @@ def local_round(
     if state.rng is not None:
         torch.set_rng_state(state.rng)
     grad_y = {}
-    if (ask := hp.ask) is not None and ask.grad_y_in_packet:  # LFedNest: at the bundle's point, before training
+    if (ask := hp.ask) is not None and ask.grad_y_in_packet:  # at the bundle's point, before training
         probe_seed = round_seed(seed, f"probe:{client_id}", bundle.round)
         grad_y = client_gradients(edge, examples, hp, ask.probe_batches, probe_seed)[2]
     objective = MessengerObjective(
         edge, examples, hp.batch_size, hp.grad_accum, round_seed(seed, client_id, bundle.round), edge.checkpoint
     )
     x0 = {k: state.personalized[k] for k in v} if hp.start_from == "personalized" and state.personalized else v
-    result = local_update(v, c, state.c_i, objective, hp, options.on_step, x0=x0, control=options.hypergradient)
+    result = local_update(v, c, state.c_i, objective, hp, options.on_step, x0=x0, control=options.control)
     _check_finite(result)
     losses = [s["loss"] for s in result.steps]
     metrics = {

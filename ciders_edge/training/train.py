@@ -5,7 +5,7 @@
 log, each atomically. The packet's bytes are on disk before the state is saved but it is published
 (renamed into place) after, so a failure between (a full disk) leaves neither. ``simulate`` and the
 CLI call it; the Flower edge calls ``train_round`` directly, since its packet goes to the network.
-:func:`probe` is FedNest's extra exchange.
+:func:`probe` is the extra exchange a bilevel strategy asks for before training.
 """
 
 from __future__ import annotations
@@ -141,14 +141,15 @@ def probe(
     key: bytes | None = None,
     frozen_weights: str | None = None,
 ) -> dict:
-    """FedNest's first exchange of a round: ``grad_x f_i`` and ``grad_y f_i`` at the bundle's point,
-    written as an fp32 packet (the cloud's hypergradient takes them exactly); the state is unchanged.
+    """A round's first exchange (its probe): ``grad_x f_i`` and ``grad_y f_i`` at the bundle's point
+    (:mod:`ciders_edge.training.bilevel`), written as an fp32 packet (the cloud takes them exactly); the state
+    is unchanged.
     ``frozen_weights`` as :class:`RoundOptions`' (None: the profile's)."""
     b = Bundle.load(bundle)
     check_state(ClientState.load(state_dir), b)
     ask = RoundHyperparams.from_dict(b.manifest["hyperparameters"]).ask  # before the model loads
     if ask is None:
-        raise ConfigError(f"{bundle}: round {b.round} asks for no gradients (only FedNest's rounds are probed)")
+        raise ConfigError(f"{bundle}: round {b.round} asks for no gradients (only bilevel rounds are probed)")
     memory = RoundOptions(frozen_weights=frozen_weights)
     hp, edge, examples = load_round(b, data, profile, {}, live_backbone=True, memory=memory)
     loss, grad_x, grad_y = client_gradients(

@@ -180,5 +180,5 @@ def test_fednest_svrg_step_is_the_paper_correction():
     moved = add(own, {"x": torch.ones(DX, dtype=torch.float64)})
     shifted = local_update(x, zero, zero, AsFlat(client, x), hp, control=moved)
     assert norm(sub(shifted.x_final, plain)) > 0.1
-    with pytest.raises(ConfigError, match="hypergradient"):
+    with pytest.raises(ConfigError, match="svrg solver needs the round.s control h"):
         local_update(x, zero, zero, AsFlat(client, x), hp)

@@ -40,7 +40,7 @@ def test_the_flower_engine_runs_the_in_process_study_to_the_bit(demo_dir, tmp_pa
 
 
 def test_a_job_and_its_result_cross_the_wire_unchanged():
-    job = StudyJob("client-07", "b", "d", "s", "p.pkt", profile="rpi5-8gb", hypergradient="h.safetensors", partition=7)
+    job = StudyJob("client-07", "b", "d", "s", "p.pkt", profile="rpi5-8gb", probe_answer="h.safetensors", partition=7)
     assert StudyJob.from_record(job.to_record()) == job
     flat = torch.randn(12)  # a direction's tensors are views of one flat vector, which safetensors refuses as is
     trained = Trained({"loss_first": 1.5, "deployed": "global"}, {"a": flat[:4].view(2, 2)}, {"b": flat[4:].bfloat16()})

@@ -146,3 +146,19 @@ def test_the_base_strategy_is_abstract_and_an_unknown_algorithm_is_refused_where
     with pytest.raises(ConfigError, match="unknown algorithm 'fedsgd'; choose one of ciders-fo"):
         prepare(RunConfig(algorithm="fedsgd"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_every_strategy_table_a_config_holds_is_a_strategys_settings():
+    """A run's and a study's config hold each strategy family's table (``StrategyTables``) and pass them on
+    without naming them: the tables there are exactly those the strategies read."""
+    from dataclasses import fields
+
+    from ciders_cloud.run.config import StrategyTables
+    from ciders_cloud.strategies import SETTINGS_TABLES
+    from ciders_cloud.study.config import SimConfig
+
+    assert {f.name for f in fields(StrategyTables)} == set(SETTINGS_TABLES)
+    assert all(SimConfig.TABLES[name] is table for name, table in SETTINGS_TABLES.items())
+    run = RunConfig(fednest={"neumann_terms": 3})
+    assert run.strategy_tables() == {"fednest": {"neumann_terms": 3}}
+    assert get_strategy("fednest").for_run(run).settings.neumann_terms == 3

@@ -27,6 +27,7 @@ class FedNest(Strategy):
 
     name: str = "fednest"
     needs_probe: bool = True
+    probe_answers: str = "hypergradients"  # h, one file a round
     settings: FedNestSettings = field(default_factory=FedNestSettings)
 
     def for_run(self, run: RunConfig) -> FedNest:
