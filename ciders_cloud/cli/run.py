@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from ciders_cloud.cli.config_file import merge_config
 from ciders_cloud.cli.privacy import (
     DpClipOnOpt,
     DpClipOpt,
@@ -19,15 +18,7 @@ from ciders_cloud.cli.privacy import (
     dp_table,
     epsilon_text,
 )
-from ciders_cloud.run.config import RunConfig, TakdConfig
-from ciders_cloud.run.lock import run_lock
-from ciders_cloud.run.splits import fleet_split
 from ciders_edge.cli_utils import JsonOpt, key_table, print_table, run_command
-from ciders_edge.config import check_limit
-from ciders_edge.errors import ConfigError
-from ciders_edge.hyperparams import RoundHyperparams
-from ciders_edge.model.lora import LoraSettings
-from ciders_edge.profiles import load_profile
 from ciders_edge.progress import console
 
 __all__ = ["prepare", "distill", "aggregate", "locked", "DeviceOpt"]
@@ -99,9 +90,16 @@ def prepare(
 ) -> None:
     """Split the model (Algorithm 1), align the learnable backbone by TAKD, write one bundle per profile."""
 
-    def body() -> dict:
-        from ciders_cloud.models.device import cloud_device  # the model stack loads when a command runs, not for --help
+    def body() -> dict:  # the run's modules and the model stack load when a command runs, not for --help
+        from ciders_cloud.cli.config_file import merge_config
+        from ciders_cloud.models.device import cloud_device
         from ciders_cloud.preparation import prepare as prepare_run
+        from ciders_cloud.run.config import RunConfig, TakdConfig
+        from ciders_cloud.run.splits import fleet_split
+        from ciders_edge.errors import ConfigError
+        from ciders_edge.hyperparams import RoundHyperparams
+        from ciders_edge.model.lora import LoraSettings
+        from ciders_edge.profiles import load_profile
 
         where = cloud_device(device)  # refused before anything is read or written
         flags = {
@@ -144,6 +142,8 @@ def locked(run: Path, command: str, body: Callable[[], dict]) -> Callable[[], di
     """``body`` under the run's lock: one command writes a run folder at a time."""
 
     def held() -> dict:
+        from ciders_cloud.run.lock import run_lock
+
         with run_lock(run, command):
             return body()
 
@@ -159,6 +159,8 @@ def distill(
     """Continue TAKD of the learnable backbone and re-ship the current round's bundles."""
 
     def body() -> dict:
+        from ciders_edge.config import check_limit
+
         check_limit("steps", steps, "--steps")
         from ciders_cloud.models.device import cloud_device
         from ciders_cloud.preparation import distill as distill_run

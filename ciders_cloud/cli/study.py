@@ -8,14 +8,10 @@ from typing import Annotated
 
 import typer
 
-from ciders_cloud.cli.config_file import merge_config
 from ciders_cloud.cli.privacy import DpClipOnOpt, DpClipOpt, DpDeltaOpt, DpEpsilonOpt, DpNoiseOpt, SamplingOpt, dp_table
 from ciders_cloud.cli.run import DeviceOpt
-from ciders_cloud.strategies import STRATEGIES
-from ciders_cloud.study.config import SimConfig, parse_profile_mix
+from ciders_cloud.run.algorithms import ALGORITHMS
 from ciders_edge.cli_utils import JsonOpt, run_command
-from ciders_edge.config import check_limit
-from ciders_edge.data.demo import write_demo_data
 from ciders_edge.errors import ConfigError
 from ciders_edge.progress import console
 
@@ -38,7 +34,7 @@ def simulate(
     clients: Annotated[int | None, typer.Option(help="Number of simulated edges.")] = None,
     rounds: Annotated[int | None, typer.Option(help="Rounds to run.")] = None,
     local_steps: Annotated[int | None, typer.Option(help="K local steps per round.")] = None,
-    algorithm: Annotated[str | None, typer.Option(help=", ".join(STRATEGIES) + ".")] = None,
+    algorithm: Annotated[str | None, typer.Option(help=", ".join(ALGORITHMS) + ".")] = None,
     partition: Annotated[
         str | None, typer.Option(help="iid | dirichlet:ALPHA[:FIELD] | by-field:FIELD | per-file.")
     ] = None,
@@ -108,8 +104,10 @@ def simulate(
 ) -> None:
     """Simulate the cloud and N edges, in one process or on Flower's Simulation Engine, through the CLIs' code."""
 
-    def body() -> dict:
-        from ciders_cloud.models.device import cloud_device  # the model stack loads when a study runs
+    def body() -> dict:  # the study's modules and the model stack load when a study runs, not for --help
+        from ciders_cloud.cli.config_file import merge_config
+        from ciders_cloud.models.device import cloud_device
+        from ciders_cloud.study.config import SimConfig, parse_profile_mix
         from ciders_cloud.study.engines import EngineSettings
         from ciders_cloud.study.resume import resume as resume_run
         from ciders_cloud.study.simulate import simulate as simulate_run
@@ -200,6 +198,9 @@ def demo_data(
     """Generate the embedded demo data: five task families with exact-match answers."""
 
     def body() -> dict:
+        from ciders_edge.config import check_limit
+        from ciders_edge.data.demo import write_demo_data
+
         for key, value in (("n_train", n_train), ("n_public", n_public), ("n_eval", n_eval), ("seed", seed)):
             check_limit(key, value, "--" + key.replace("_", "-"))
         paths = write_demo_data(out, n_train, n_public, n_eval, seed)
