@@ -2,7 +2,8 @@
 
     python benchmarks/privacy.py --clients 50 --rounds 5 --participation 0.2 --epsilons inf,8,2
     python benchmarks/privacy.py --clients 1000 --participation 0.1 --records 3 --messenger-depth 2 \
-        --domains medical,customer_support,code,general --engine flower --actors 2 --name privacy_population
+        --domains medical,customer_support,code,general --engine flower --actors 2 --name privacy_population \
+        --algorithms ciders-fo --rounds 2 --local-steps 2 --layer-steps 50 --align-steps 20
 
 SmolLM2-135M, five_domain: N clients, N/5 per domain, each with a few records of its domain's
 ``train.jsonl`` (disjoint shards) and scored on its domain's ``eval.jsonl``. Each (algorithm, epsilon)
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--actors", type=int, default=None, help="--engine flower: Ray actors on this machine")
     ap.add_argument("--domains", default=",".join(DOMAINS), help="five_domain's (finance has 80 trainable records)")
     ap.add_argument("--messenger-depth", type=int, default=6)
+    ap.add_argument("--layer-steps", type=int, default=None, help="the bootstrap's stage 1 (default: prepare's)")
+    ap.add_argument("--align-steps", type=int, default=None, help="the bootstrap's stage 2 (default: prepare's)")
     ap.add_argument("--name", default="privacy", help="the results files' name")
     args = ap.parse_args()
     domains = tuple(args.domains.split(","))
@@ -100,6 +103,7 @@ def main() -> None:
         "sampling": "poisson",
         "eval_examples": args.eval_examples,
         "messenger_depth": args.messenger_depth,
+        **{k: getattr(args, k) for k in ("layer_steps", "align_steps") if getattr(args, k) is not None},
     }
     engine = EngineSettings(args.engine, actors=args.actors)  # refused here, before any study starts
     epsilons = sorted(map(float, args.epsilons.split(",")), key=math.isfinite)  # ε = ∞ first: it sets C
