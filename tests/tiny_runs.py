@@ -77,11 +77,13 @@ def state_bytes(run):
     return {**out, "state.json": meta}
 
 
-def train_once(bundle, data, root: Path, client_id: str, val_fraction: float = 0.0, **overrides) -> Path:
+def train_once(
+    bundle, data, root: Path, client_id: str, val_fraction: float = 0.0, reuse_model: bool = False, **overrides
+) -> Path:
     """One round of ``client_id`` on ``data``: its state folder ``root/state`` (the packet: ``root/p.pkt``).
     Every record trains (no validation slice) unless ``val_fraction``: the fixtures' models, and what the
     export tests measured on them, stay those of every record (tests/edge/test_validation.py covers the slice)."""
-    options = RoundOptions(client_id=client_id, overrides=overrides, val_fraction=val_fraction)
+    options = RoundOptions(client_id=client_id, overrides=overrides, val_fraction=val_fraction, reuse_model=reuse_model)
     train(bundle, data, root / "state", root / "p.pkt", options)
     return root / "state"
 

@@ -92,6 +92,7 @@ def run_job(job: StudyJob) -> Trained:
         frozen_weights=job.frozen_weights,
         val_fraction=job.val_fraction,
         control=load_file(job.probe_answer) if job.probe_answer else None,
+        reuse_model=True,  # the process's next client on this bundle reuses the AdapEmu
     )
     out = train(job.bundle, job.data, job.state, job.packet, options)
     return Trained(out.summary, out.delta_sent, out.result.first_direction)

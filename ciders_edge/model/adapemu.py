@@ -26,7 +26,7 @@ from ciders_edge.model.quantized import place_quantized
 from ciders_edge.model.split import SplitSpec, shift_layers
 from ciders_edge.profiles import DTYPES
 
-__all__ = ["EdgeModel", "load_edge_model"]
+__all__ = ["EdgeModel", "load_edge_model", "EmulatorCache"]
 
 
 @dataclass
@@ -73,6 +73,45 @@ def load_edge_model(
     load_lora_state(model, {k: v.float() for k, v in bundle.messenger_lora().items()}, MESSENGER_ADAPTER)
     tok = AutoTokenizer.from_pretrained(bundle.path, trust_remote_code=False)
     return EdgeModel(model.eval(), split, tok, bundle)
+
+
+class EmulatorCache:
+    """The AdapEmu of the last bundle this process loaded, kept for its next round on the same bundle.
+
+    A study's actor (or ``simulate``'s own process) trains many clients on one round's bundle, and building
+    the model was a quarter of a SmolLM2 client's round. A real edge trains once per bundle and keeps no
+    model between rounds, so only a study's jobs ask for it. Each reuse puts back every LoRA tensor as
+    loaded: a round moves the messenger's, and validation on the AdapEmu loads rivals into all of them.
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def get(self, bundle: Bundle, dtype: torch.dtype | None, live_backbone: bool, quantized: bool) -> EdgeModel:
+        """:func:`load_edge_model`'s model, built once per bundle and settings, as loaded."""
+        key = (str(bundle.path.resolve()), bundle.bundle_id, dtype, live_backbone, quantized)
+        if key != self._key:
+            self.clear()
+            self._edge = load_edge_model(bundle, dtype, live_backbone, quantized)
+            params = dict(self._edge.model.named_parameters())
+            self._loaded = {k: p.detach().clone() for k, p in params.items() if ".lora_" in k}
+            self._key, self._requires_grad = key, {k: p.requires_grad for k, p in params.items()}
+        else:
+            with torch.no_grad():
+                for k, p in self._edge.model.named_parameters():
+                    if k in self._loaded:
+                        p.copy_(self._loaded[k])
+                    p.requires_grad_(self._requires_grad[k])
+            self._edge.model.eval()
+        self._edge.bundle = bundle
+        return self._edge
+
+    def clear(self) -> None:
+        """Let the model go (before a larger one loads: validation's AdapFu)."""
+        self._key: tuple | None = None
+        self._edge: EdgeModel | None = None
+        self._loaded: dict[str, torch.Tensor] = {}
+        self._requires_grad: dict[str, bool] = {}
 
 
 def instantiate(bundle: Bundle, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, what: str):

@@ -27,7 +27,7 @@ from ciders_edge.formats.packet import Packet, consensus_digest
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.inference.personalize import load_backbone
 from ciders_edge.memory import estimate_memory
-from ciders_edge.model.adapemu import EdgeModel, load_edge_model
+from ciders_edge.model.adapemu import EdgeModel, EmulatorCache, load_edge_model
 from ciders_edge.model.quantized import is_quantized
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import (
@@ -53,7 +53,10 @@ __all__ = [
     "load_round",
     "check_state",
     "round_hyperparams",
+    "EMULATORS",
 ]
+
+EMULATORS = EmulatorCache()  # the AdapEmu a study's jobs share (RoundOptions.reuse_model)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class RoundOptions:
     frozen_weights: str | None = None  # quantized | dequantized (None: the profile's)
     gradient_checkpointing: bool | None = None  # None: the profile's
     val_fraction: float = VAL_FRACTION  # of the records held out to choose the deployed messenger (0: none)
+    reuse_model: bool = False  # keep the AdapEmu for the next round on the same bundle (a study's jobs)
 
     def __post_init__(self) -> None:
         check_frozen_weights(self.frozen_weights)  # before any file is touched
@@ -129,6 +133,8 @@ def local_round(
     _check_shapes(state.c_i, v, "the state's consensus c_i")
     if state.rng is not None:
         torch.set_rng_state(state.rng)
+    else:  # a new client's RNG is its own, not whatever this process drew before (a study's actor, a reused model)
+        torch.manual_seed(round_seed(seed, f"rng:{client_id}", bundle.round))
     grad_y = {}
     if (ask := hp.ask) is not None and ask.grad_y_in_packet:  # at the bundle's point, before training
         probe_seed = round_seed(seed, f"probe:{client_id}", bundle.round)
@@ -196,6 +202,7 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
         if b.manifest.get("deploy_backbone", "emu") == "full":
             prof, quantized = load_profile(options.profile) if options.profile else None, is_quantized(edge.model)
             del edge  # the AdapEmu's memory before AdapFu's
+            EMULATORS.clear()
             gc.collect()
             edge = load_backbone(b, "full", prof.torch_dtype if prof else None, quantized=quantized)
             edge.model.to(pick_device(prof))
@@ -250,7 +257,8 @@ def load_round(
     _check_fits(b, own, hp, quantized, checkpoint)
     if own.return_freed_memory:
         return_freed_memory()
-    edge = load_edge_model(b, prof.torch_dtype if prof else None, live_backbone or hp.grad_y_in_packet, quantized)
+    load = EMULATORS.get if memory.reuse_model else load_edge_model
+    edge = load(b, prof.torch_dtype if prof else None, live_backbone or hp.grad_y_in_packet, quantized)
     edge.checkpoint = checkpoint
     edge.model.to(pick_device(prof))
     return hp, edge, load_examples(data, edge.tokenizer, hp.seq_len)
