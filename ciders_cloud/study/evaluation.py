@@ -138,7 +138,6 @@ def evaluate_groups(round_: int, groups: dict[str, list[str]], scoring: Scoring)
 
 def _score_clients(edge: EdgeModel, ids: list[str], scoring: Scoring) -> tuple[list[dict], list[list[float]]]:
     """Every client's eval record on the AdapEmu, and the cross-domain NLL matrix's rows."""
-    v = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
     round_ = edge.bundle.round - 1
     with progress_bar() as bar:  # minutes on SmolLM2: one backbone pass and one matrix row per client
         task = bar.add_task(f"round {round_} evaluation", total=2 * len(ids), metrics="")
@@ -147,13 +146,38 @@ def _score_clients(edge: EdgeModel, ids: list[str], scoring: Scoring) -> tuple[l
             if key[cid] not in by_data:
                 by_data[key[cid]] = backbone_batches(edge, scoring.examples(cid, edge.tokenizer))
             bar.update(task, advance=1, metrics=f"backbone pass {cid}")
-        records, matrix = [], []
+        records, matrix, v = [], [], _GlobalScores(edge, by_data, scoring.cfg.eval_generate)
         for cid in ids:
-            record, row = _client_record(edge, v, by_data, key, cid, ids, scoring)
+            record, row = _client_record(edge, v, key, cid, ids, scoring)
             records.append({"type": "eval", "round": round_, "client": cid, "domain": scoring.domains[cid], **record})
             matrix.append(row)
             bar.update(task, advance=1, metrics=f"{cid} NLL {records[-1]['nll_personal']:.3f}")
     return records, matrix
+
+
+class _GlobalScores:
+    """The bundle's global messenger v on every eval set, scored once: the same for every client, and the
+    personalized scores of a client that holds no messenger of its own (in a large sampled population, most)."""
+
+    def __init__(self, edge: EdgeModel, by_data: dict, generate: int) -> None:
+        self.edge, self.by_data, self.generate = edge, by_data, generate
+        self.tensors = {k: t.float() for k, t in edge.bundle.messenger_lora().items()}
+        self._nll: dict[str, float] | None = None
+        self._generation: dict[str, tuple[float | None, float | None]] = {}
+
+    def nll(self) -> dict[str, float]:
+        """v's NLL on each eval set (by its content key)."""
+        if self._nll is None:
+            self.edge.use_messenger(self.tensors)
+            self._nll = {k: messenger_nll(self.edge, batches) for k, batches in self.by_data.items()}
+        return self._nll
+
+    def generation(self, key: str, path: Path) -> tuple[float | None, float | None]:
+        """v's ROUGE-L and exact match on the eval set ``key`` (read from ``path``)."""
+        if key not in self._generation:
+            self.edge.use_messenger(self.tensors)
+            self._generation[key] = _generation_scores(self.edge, path, self.generate)
+        return self._generation[key]
 
 
 def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, dict]:
@@ -172,8 +196,11 @@ def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, d
             by_data[key[cid]] = batches, messenger_nll(edge, batches)
         batches, nll_global = by_data[key[cid]]
         state = ClientState.load(scoring.study.client_state(cid))
-        edge.use_messenger(state.personalized if state is not None and state.personalized else v)
-        scores[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
+        if state is not None and state.personalized:
+            edge.use_messenger(state.personalized)
+            scores[cid] = {"nll_full_personal": messenger_nll(edge, batches), "nll_full_global": nll_global}
+        else:  # no messenger of its own: it answers with v
+            scores[cid] = {"nll_full_personal": nll_global, "nll_full_global": nll_global}
         if state is not None and state.best:
             edge.use_messenger(state.best)
             scores[cid].update(nll_full_deployed=messenger_nll(edge, batches), deployed=state.best_info["messenger"])
@@ -185,19 +212,20 @@ def _adapfu_nll(bundle: Bundle, ids: list[str], scoring: Scoring) -> dict[str, d
 
 
 def _client_record(
-    edge: EdgeModel, v: dict, by_data: dict, key: dict[str, str], cid: str, ids: list[str], scoring: Scoring
+    edge: EdgeModel, v: _GlobalScores, key: dict[str, str], cid: str, ids: list[str], scoring: Scoring
 ) -> tuple[dict, list[float]]:
     """One client's scores, and its matrix row: its personalized messenger on every client's data
-    (``by_data``: the backbone's batches of each distinct eval set, ``key``: each client's)."""
+    (``key``: each client's eval set), or v's scores when it holds none."""
     state = ClientState.load(scoring.study.client_state(cid))
-    personal = state.personalized if state is not None and state.personalized else v
-    edge.use_messenger(v)
-    nll_global = messenger_nll(edge, by_data[key[cid]])
-    edge.use_messenger(personal)
-    nll = {k: messenger_nll(edge, batches) for k, batches in by_data.items()}
+    eval_path = scoring.study.eval_data(cid)
+    if state is not None and state.personalized:
+        edge.use_messenger(state.personalized)
+        nll = {k: messenger_nll(edge, batches) for k, batches in v.by_data.items()}
+        rouge, em = _generation_scores(edge, eval_path, scoring.cfg.eval_generate)
+    else:
+        nll, (rouge, em) = v.nll(), v.generation(key[cid], eval_path)
     row = [nll[key[other]] for other in ids]
-    nll_personal = row[ids.index(cid)]
-    rouge, em = _generation_scores(edge, scoring.study.eval_data(cid), scoring.cfg.eval_generate)
+    nll_personal, nll_global = row[ids.index(cid)], v.nll()[key[cid]]
     record = {
         "nll_personal": nll_personal,
         "nll_global": nll_global,
