@@ -101,9 +101,9 @@ def data_dir(sub: str) -> Path:
     return path
 
 
-def run_simulate(cfg, out: Path, engine=None) -> list[dict]:
+def run_simulate(cfg, out: Path, engine=None, device: str = "cpu") -> list[dict]:
     """One ``simulate`` run (the CLIs' code; its clients on ``engine``, an ``EngineSettings``, default
-    in-process); returns its ``metrics.jsonl`` records.
+    in-process; the cloud's work on ``device``); returns its ``metrics.jsonl`` records.
 
     Resumable: a run that finished in ``out`` with the same config is read back, not run again. Else the
     study is made by a one-round ``simulate`` (a study is kept only once its first call ends) and grown by
@@ -122,8 +122,8 @@ def run_simulate(cfg, out: Path, engine=None) -> list[dict]:
         print(f"{out}: unfinished, resumed", flush=True)
     else:
         shutil.rmtree(out, ignore_errors=True)
-        simulate(cfg.replace(rounds=1), out, engine=engine)
-    resume(out, cfg.rounds, engine=engine)
+        simulate(cfg.replace(rounds=1), out, device, engine)
+    resume(out, cfg.rounds, device, engine)
     return load_metrics(out)
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py                          # SmolLM2-135M's shape, random weights, on the GPU
     python benchmarks/gpu.py --device cpu --quick     # a smoke test anywhere (tiny shapes)
+    python benchmarks/gpu.py --privacy                # issue 61's DP study at 1,000 clients, on the GPU instead
 
 Nothing is downloaded: the model is built from a config (speed does not depend on the weights), the
 tokenizer is SmolLM2's (``$CIDERS_HOME/models/smollm2-tokenizer`` or ``--tokenizer``), and the bundle is
@@ -20,6 +21,7 @@ import argparse
 import gc
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +53,13 @@ TINY = {
 }
 FULL = {"model": SMOLLM2, "depth": 6, "drop": 0.2, "shapes": [(8, 1024), (2, 256)], "new_tokens": 64, "takd": (4, 256)}
 QUICK = {"model": TINY, "depth": 2, "drop": 0.5, "shapes": [(2, 64), (1, 32)], "new_tokens": 8, "takd": (2, 64)}
+# privacy.py's population study with the CPU run's population and messenger (RESULTS.md), its clients on the GPU
+# (Flower's engine, 4 a GPU); rounds and the bootstrap at privacy.py's defaults, which the CPU run shrank
+PRIVACY = [
+    "--clients", "1000", "--participation", "0.1", "--records", "3", "--messenger-depth", "2", "--local-steps", "2",
+    "--domains", "medical,customer_support,code,general", "--algorithms", "ciders-fo", "--engine", "flower",
+    "--gpus-per-client", "0.25", "--device", "cuda", "--profile", "cuda-24gb", "--name", "privacy_population_cuda",
+]  # fmt: skip
 TARGETS = {"fo_over_naive": 0.65, "fo_over_plain": 1.3, "decode_tokens_per_s": 300.0, "first_token_s": 0.030}
 
 
@@ -293,7 +302,14 @@ def main() -> None:
     )
     ap.add_argument("--results", type=Path, default=common.RESULTS, help="folder for NAME.json and NAME.md")
     ap.add_argument("--work", type=Path, default=None, help="keep the model, data and run here (default: a temp dir)")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--privacy", action="store_true", help="run privacy.py's 1,000-client DP study on the GPU instead (resumable)"
+    )
+    args, rest = ap.parse_known_args()
+    if args.privacy:  # its own arguments after ours: --rounds, --out, --actors ...
+        sys.exit(subprocess.call([sys.executable, str(Path(__file__).with_name("privacy.py")), *PRIVACY, *rest]))
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     args.repeats = args.repeats or (2 if args.quick else 5)
 
     from ciders_edge.cli_utils import quiet_libraries

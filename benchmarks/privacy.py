@@ -71,7 +71,7 @@ def clip_bound(out: Path) -> float:
     return median(summary["delta_norms"].values())
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/privacy"))
     ap.add_argument("--clients", type=int, default=50)
@@ -85,12 +85,19 @@ def main() -> None:
     ap.add_argument("--clip-scales", default="1", help="C as multiples of the median norm, for each finite epsilon")
     ap.add_argument("--engine", default="in-process", help="in-process, or flower (Flower's Simulation Engine)")
     ap.add_argument("--actors", type=int, default=None, help="--engine flower: Ray actors on this machine")
+    ap.add_argument("--gpus-per-client", type=float, default=0.0, help="--engine flower: a client's share of a GPU")
+    ap.add_argument("--device", default="cpu", help="the cloud's TAKD and evaluation: cpu, cuda or auto")
+    ap.add_argument("--profile", default=None, help="every client's device profile (cuda-24gb on a GPU)")
     ap.add_argument("--domains", default=",".join(DOMAINS), help="five_domain's (finance has 80 trainable records)")
     ap.add_argument("--messenger-depth", type=int, default=6)
     ap.add_argument("--layer-steps", type=int, default=None, help="the bootstrap's stage 1 (default: prepare's)")
     ap.add_argument("--align-steps", type=int, default=None, help="the bootstrap's stage 2 (default: prepare's)")
     ap.add_argument("--name", default="privacy", help="the results files' name")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     domains = tuple(args.domains.split(","))
     data, evals = shards(args.out / "shards", args.clients, args.records, domains)
     study = {
@@ -103,9 +110,9 @@ def main() -> None:
         "sampling": "poisson",
         "eval_examples": args.eval_examples,
         "messenger_depth": args.messenger_depth,
-        **{k: getattr(args, k) for k in ("layer_steps", "align_steps") if getattr(args, k) is not None},
+        **{k: getattr(args, k) for k in ("layer_steps", "align_steps", "profile") if getattr(args, k) is not None},
     }
-    engine = EngineSettings(args.engine, actors=args.actors)  # refused here, before any study starts
+    engine = EngineSettings(args.engine, actors=args.actors, gpus_per_client=args.gpus_per_client)  # refused here
     epsilons = sorted(map(float, args.epsilons.split(",")), key=math.isfinite)  # ε = ∞ first: it sets C
     scales = [float(x) for x in args.clip_scales.split(",")]
     rows = {}
@@ -116,7 +123,7 @@ def main() -> None:
                 dp = {} if math.isinf(eps) else {"clip": scale * median_norm, "target_epsilon": eps}
                 name = f"{algorithm}-eps{eps:g}" + (f"-clip{scale:g}" if scale != 1 else "")
                 cfg = domain_study(domains, algorithm=algorithm, dp=dp, **study)
-                metrics = run_simulate(cfg, args.out / name, engine)
+                metrics = run_simulate(cfg, args.out / name, engine, args.device)
                 if math.isinf(eps):
                     median_norm = clip_bound(args.out / name)
                 rows[algorithm, eps, scale] = row(metrics, dp)

@@ -39,3 +39,13 @@ def test_an_epsilon_within_the_tolerance_is_met_and_no_trend_is_said_so():
     assert "ε = 8: no trend" in privacy.needed_note({"ciders-fo": flat}, 1000)
     one = privacy.population_needed(_rows((2.0, 2.0, 3.0)), 1000)["ciders-fo"]
     assert one["k"] is None and one["clients"] == {"2": None}
+
+
+def test_the_gpu_route_runs_the_study_as_the_cpu_did_with_its_clients_on_the_gpu():
+    """``gpu.py --privacy`` hands privacy.py these flags: each must be one privacy.py takes, with the CPU run's
+    population and messenger (RESULTS.md), the cloud on CUDA and a quarter GPU a client."""
+    import gpu
+
+    args = privacy.parser().parse_args(gpu.PRIVACY)
+    assert (args.clients, args.participation, args.records, args.messenger_depth) == (1000, 0.1, 3, 2)
+    assert (args.device, args.profile, args.engine, args.gpus_per_client) == ("cuda", "cuda-24gb", "flower", 0.25)
