@@ -114,6 +114,8 @@ def run_simulate(cfg, out: Path, engine=None, device: str = "cpu") -> list[dict]
     from ciders_cloud.study.simulate import simulate
     from ciders_edge.cli_utils import quiet_libraries
 
+    if "target_epsilon" in cfg.dp and "rounds" not in cfg.dp:  # the budget lasts the study, not its first call
+        cfg = cfg.replace(dp={**cfg.dp, "rounds": cfg.rounds})
     if _finished(cfg, out):
         print(f"{out}: finished before, read back", flush=True)
         return load_metrics(out)
