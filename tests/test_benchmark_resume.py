@@ -55,3 +55,17 @@ def test_a_killed_benchmark_study_resumes_from_its_last_round(demo_dir, tmp_path
     assert rounds(_rounds(out)) == rounds(_rounds(straight)) and _rounds(out)[-1] == _rounds(straight)[-1]
     assert state_bytes(out / "run") == state_bytes(straight / "run")
     assert common._finished(_study(demo_dir), out)  # and a third call reads it back
+
+
+def test_a_private_study_grown_from_one_round_keeps_the_budget_of_all_its_rounds(demo_dir, tmp_path):
+    """run_simulate's first call runs one round: a target epsilon must still be spent over the study's rounds
+    (its noise multiplier as a straight run's), or the resume to the second round is refused by the budget."""
+    sys.path[:0] = [str(BENCHMARKS)]
+    import common
+
+    cfg = fast_study(demo_dir, rounds=2, eval_generate=0, dp={"clip": 1.0, "target_epsilon": 8.0})
+    simulate(cfg, tmp_path / "straight")
+    common.run_simulate(cfg, tmp_path / "grown")
+    z = [json.loads((tmp_path / s / "run" / "run.json").read_text())["dp"] for s in ("straight", "grown")]
+    assert z[0]["noise_multiplier"] == z[1]["noise_multiplier"] and z[1]["rounds"] == 2
+    assert [r["round"] for r in _rounds(tmp_path / "grown") if r["type"] == "round"] == [0, 1]
