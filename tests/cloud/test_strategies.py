@@ -113,8 +113,11 @@ def test_a_bundle_names_the_takd_loss_that_distilled_its_backbone():
 def test_protocol_c_schedules_gamma_and_an_unknown_name_is_refused():
     assert get_strategy("ciders-fo").round_hyperparams(HP, 0, "protocol-c").gamma == 0.9
     assert get_strategy("ciders-fo").round_hyperparams(HP, 3, "protocol-c").gamma == pytest.approx(0.9 * 0.86**2)
-    assert tuple(STRATEGIES) == ALGORITHMS == ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedot", "fedbiot",
-                                               "localot", "fednest", "lfednest")  # fmt: skip  (the CLI's help)
+    assert (
+        tuple(STRATEGIES)
+        == ALGORITHMS
+        == ("ciders-fo", "ciders-fd", "fedavg", "scaffold", "fedot", "fedbiot", "localot", "fednest", "lfednest")
+    )  # the CLI's help lists the names
     with pytest.raises(ConfigError, match="unknown algorithm 'fedprox'"):
         get_strategy("fedprox")
 
