@@ -91,10 +91,14 @@ def test_simulate_on_flower_without_ray_is_one_line_before_anything_is_written(d
     assert not out.exists()
 
 
-def test_a_virtual_supernode_refuses_a_job_addressed_to_another_client(tmp_path):
+def test_a_virtual_supernode_refuses_a_job_addressed_to_another_client(tmp_path, monkeypatch):
     from flwr.app import Context, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
 
     from ciders_edge.fleet.virtual import app
+
+    for name, value in (("_task_id", 1), ("_run_id", 1), ("_node_id", 7)):  # what Flower sets in its own process
+        monkeypatch.setattr(TaskIdentity, name, value)
 
     job = StudyJob("client-03", "b", "d", str(tmp_path / "s"), str(tmp_path / "p.pkt"), partition=3)
     context = Context(run_id=1, node_id=7, node_config={"partition-id": 4}, state=RecordDict(), run_config={})
