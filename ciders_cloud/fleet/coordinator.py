@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from ciders_cloud.fleet.secure import CLIP_RANGE
 from ciders_cloud.models.layers import ProfileLayers
 from ciders_cloud.round.aggregate import aggregate_packets
-from ciders_cloud.round.intake import CLIENT_ID, check_packets, read_packets
+from ciders_cloud.round.intake import CLIENT_ID, check_packets, packet_keys, read_packets
 from ciders_cloud.round.secure import aggregate_secure
 from ciders_cloud.run.config import load_run
 from ciders_cloud.run.folder import RunFolder
@@ -154,7 +154,7 @@ class Coordinator:
     def check(self, edge: Edge, packet: bytes) -> None:
         """Refuse a packet from another client than the authenticated node, or for another round or bundle."""
         where = f"round {self.round} reply of {edge.client_id}"
-        [received] = read_packets(self.run_dir, [(where, packet)])
+        [received] = read_packets([(where, packet)], packet_keys(self.run_dir))
         if received.header.client_id != edge.client_id:
             raise PacketError(
                 f"{where}: packet claims client {received.header.client_id!r}, the node is {edge.client_id!r}"

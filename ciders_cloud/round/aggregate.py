@@ -1,10 +1,11 @@
 """``ciders-cloud aggregate``: drive one cloud round, from Δc packets to the next round's bundles (eq. 11–13).
 
-Every packet is checked by :mod:`.intake` before any state changes; eq. (11) reconstructs each displacement,
-the strategy adjusts them, the weighted (or private) mean goes to :func:`.commit.commit_round` (eq. 12, eq. 13
-in :mod:`.distill`, the bundles, the state). A rerun after a crash either redoes the round from scratch (same
-seeds, same result) or, if the state already moved on with exactly these packets, reports it again. A secure
-round's sum arrives instead through :mod:`.secure`; a strategy's first exchange through :mod:`.probes`.
+:mod:`.intake` opens the round (the run folder read once) and checks every packet before any state changes;
+eq. (11) reconstructs each displacement, the strategy adjusts them, the weighted (or private) mean goes to
+:func:`.commit.commit_round` (eq. 12, eq. 13 in :mod:`.distill`, the bundles, the state). A rerun after a
+crash either redoes the round from scratch (same seeds, same result) or, if the state already moved on with
+exactly these packets, reports it again. A secure round's sum arrives instead through :mod:`.secure`; a
+strategy's first exchange through :mod:`.probes`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ from pathlib import Path
 import torch
 
 from ciders_cloud.models.device import cloud_device
-from ciders_cloud.models.teacher import load_cloud_models
+from ciders_cloud.models.teacher import build_backbones
 from ciders_cloud.privacy import PrivateRelease, study_generator
-from ciders_cloud.round.commit import commit_round, open_round
-from ciders_cloud.round.intake import Received, check_displacements, check_round, client_consensus, read_packets
+from ciders_cloud.round.commit import commit_round
+from ciders_cloud.round.intake import (
+    Received,
+    check_displacements,
+    check_round,
+    client_consensus,
+    open_round,
+    read_packets,
+)
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import CloudRound, strategy_for
 from ciders_cloud.strategies.aggregation import layer_means, participation_weights, reconstruct_displacement
@@ -67,14 +75,15 @@ def aggregate_packets(
     noise comes from a fresh OS seed, or from ``noise_seed`` and the round in a study (it repeats).
     """
     device = cloud_device(device)
-    run, state = open_round(run_dir, secure=False)
-    received = read_packets(run_dir, items)
+    opened = open_round(run_dir, secure=False)
+    run, state = opened.run, opened.state
+    received = read_packets(items, opened.keys)
     digests = sorted(r.digest for r in received)
     if state.last_round_digests and digests == state.last_round_digests and state.round > 0:
         return {**state.last_summary, "already_aggregated": True}
     release = PrivateRelease.of(run)
     spent = release.check_budget(state.round) if release else None  # before any packet is read
-    hp = check_round(run_dir, run, state, received)
+    hp = check_round(opened, received)
     if release:
         release.check_sample(sampled, [r.header.client_id for r in received], state.round)
     if not received and not release:  # a private round releases noise even when it sampled no one
@@ -92,7 +101,7 @@ def aggregate_packets(
         deltas, new_clients = _reconstruct(received, state, hp)
     num_examples = [r.packet.num_examples for r in received]
     weights = release.weights(len(received)) if release else participation_weights(num_examples)
-    backbones = load_cloud_models(run_dir, run, state, device)
+    backbones = build_backbones(run, state, opened.aligned, device)
     cloud = CloudRound(run, state, hp, backbones)
     deltas, bilevel = strategy.adjust_displacements(deltas, [r.packet.tensors for r in received], weights, cloud)
     if release:  # the Gaussian mechanism on the clipped displacements' sum

@@ -11,7 +11,7 @@ from ciders_cloud.models.backbones import pack
 from ciders_cloud.models.teacher import CloudModels
 from ciders_cloud.round.bundles import write_bundles
 from ciders_cloud.round.distill import check_finite, distill_backbone, takd_log
-from ciders_cloud.run.config import RunConfig, load_run
+from ciders_cloud.run.config import RunConfig
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.logs import write_round_log
 from ciders_cloud.run.server_state import ServerState
@@ -20,14 +20,7 @@ from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.profiles import load_profile
 from ciders_edge.tensors import Tensors, norm
 
-__all__ = ["open_round", "commit_round"]
-
-
-def open_round(run_dir: Path, secure: bool) -> tuple[RunConfig, ServerState]:
-    """The run and its state, if its rounds so far were of this kind (:meth:`ServerState.check_mode`)."""
-    run, state = load_run(run_dir), ServerState.load(RunFolder(run_dir).server_state)
-    state.check_mode(secure, run_dir)
-    return run, state
+__all__ = ["commit_round"]
 
 
 def commit_round(

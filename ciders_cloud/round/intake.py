@@ -1,6 +1,7 @@
-"""The packet intake of a cloud round: read a round's Δc packets and refuse what must not be aggregated.
+"""The packet intake of a cloud round: open the round, read its Δc packets and refuse what must not be aggregated.
 
-Every check runs before any state changes: a packet for another round or bundle, from an unknown or
+:func:`open_round` reads what a round needs of its run folder once (the steps after it take values, not the
+folder). Every check runs before any state changes: a packet for another round or bundle, from an unknown or
 repeated client, with a bad tag, the wrong tensors, or a displacement that is not finite or an outlier.
 ``ciders-cloud aggregate`` (:mod:`ciders_cloud.round.aggregate`) and the fleet's coordinator both come through here.
 """
@@ -11,14 +12,15 @@ import hashlib
 import math
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ciders_cloud.models.layers import ProfileLayers
-from ciders_cloud.run.config import RunConfig
+from ciders_cloud.run.config import RunConfig, load_run
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import round_hyperparams_for, strategy_for
@@ -30,6 +32,9 @@ from ciders_edge.model.split import layer_of
 from ciders_edge.tensors import Tensors, norm
 
 __all__ = [
+    "OpenedRound",
+    "open_round",
+    "packet_keys",
     "Received",
     "read_packets",
     "check_packets",
@@ -41,6 +46,39 @@ __all__ = [
 
 MAX_DELTA_RATIO = 20.0  # a displacement this many times the median one is refused (see check_displacements)
 CLIENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class OpenedRound:
+    """A round's run folder, read once by :func:`open_round`: the round's steps take these values, not the folder."""
+
+    run: RunConfig
+    state: ServerState
+    keys: dict[str, bytes]  # client -> its packet key (RUN/keys/<client>.key): its packets must carry the tag
+    bundle_ids: dict[str, str]  # this round's bundle ids -> their profiles
+    aligned: Tensors | None  # the AdapEmu layers the bootstrap trained, which the cloud's backbones start from
+
+
+def open_round(run_dir: Path, secure: bool) -> OpenedRound:
+    """The run, its state (if its rounds so far were of this kind, :meth:`ServerState.check_mode`), the packet
+    keys, this round's bundle ids (read from their manifests, the weights left unverified) and the aligned layers."""
+    keys = packet_keys(run_dir)
+    folder = RunFolder(run_dir)
+    run, state = load_run(run_dir), ServerState.load(folder.server_state)
+    state.check_mode(secure, run_dir)
+    bundles, aligned = {p: folder.bundle(p, state.round) for p in run.profiles}, folder.aligned
+    return OpenedRound(
+        run,
+        state,
+        keys,
+        bundle_ids={bundle_id(path): p for p, path in bundles.items()},
+        aligned=load_file(aligned) if aligned.is_file() else None,
+    )
+
+
+def packet_keys(run_dir: Path) -> dict[str, bytes]:
+    """Every client's key in ``RUN/keys/``, by client id."""
+    return {path.stem: read_key_file(path) for path in RunFolder(run_dir).key_files()}
 
 
 @dataclass
@@ -63,17 +101,15 @@ class Received:
         return self.decoded
 
 
-def read_packets(run_dir: Path, items: list[tuple[str, bytes]]) -> list[Received]:
-    """Verify packets and read their headers (each with its client's key when ``RUN/keys/<client>.key``
-    exists); the payloads stay compressed until :func:`check_packets` knows what they must hold."""
+def read_packets(items: list[tuple[str, bytes]], keys: Mapping[str, bytes]) -> list[Received]:
+    """Verify packets and read their headers (each with its client's key, where ``keys`` holds one:
+    :func:`packet_keys`); the payloads stay compressed until :func:`check_packets` knows what they must hold."""
     out = []
     for where, data in items:
         client = Packet.peek_client_id(data, where)
         if not CLIENT_ID.fullmatch(client):
             raise PacketError(f"{where}: client id {client!r} is not a valid id (letters, digits, . _ -)")
-        key_file = RunFolder(run_dir).key_file(client)
-        key = read_key_file(key_file) if key_file.is_file() else None
-        header = Packet.read_header(data, key, where=where)
+        header = Packet.read_header(data, keys.get(client), where=where)
         out.append(Received(header, len(data), hashlib.sha256(data).hexdigest(), where))
     return out
 
@@ -205,11 +241,8 @@ def check_displacements(
     return bad
 
 
-def check_round(
-    run_dir: Path, run: RunConfig, state: ServerState, received: list[Received], expected: Tensors | None = None
-) -> RoundHyperparams:
+def check_round(opened: OpenedRound, received: list[Received], expected: Tensors | None = None) -> RoundHyperparams:
     """:func:`check_packets` against this round's bundles; returns the round's hyperparameters."""
-    bundle_ids = {bundle_id(RunFolder(run_dir).bundle(p, state.round)): p for p in run.profiles}
-    hp = round_hyperparams_for(run, state.round)
-    check_packets(received, state, run, bundle_ids, hp, expected)
+    hp = round_hyperparams_for(opened.run, opened.state.round)
+    check_packets(received, opened.state, opened.run, opened.bundle_ids, hp, expected)
     return hp

@@ -10,11 +10,9 @@ from pathlib import Path
 import torch
 
 from ciders_cloud.models.device import cloud_device
-from ciders_cloud.models.teacher import load_cloud_models
-from ciders_cloud.round.intake import check_round, read_packets
-from ciders_cloud.run.config import load_run
+from ciders_cloud.models.teacher import build_backbones
+from ciders_cloud.round.intake import check_round, open_round, read_packets
 from ciders_cloud.run.folder import RunFolder
-from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import CloudRound, strategy_for
 from ciders_cloud.strategies.aggregation import participation_weights
 from ciders_edge.errors import PacketError
@@ -28,17 +26,17 @@ def aggregate_probes(run_dir: Path, items: list[tuple[str, bytes]], device: str 
     """The round's first exchange from the edges' gradient packets ``items``; the strategy's work (its
     Hessian products) runs on ``device``. Returns what it wrote and cost."""
     device = cloud_device(device)
-    run = load_run(run_dir)
-    state = ServerState.load(RunFolder(run_dir).server_state)
-    received = read_packets(run_dir, items)
+    opened = open_round(run_dir, secure=False)
+    run, state = opened.run, opened.state
+    received = read_packets(items, opened.keys)
     if not received:
         raise PacketError(f"no probe packets given; {run.algorithm}'s first exchange needs at least one")
     for r in received:
         if r.header.metrics.get("kind") != PROBE_KIND:
             raise PacketError(f"{r.where}: not a probe packet ({run.algorithm}'s first exchange sends gradients)")
-    hp = check_round(run_dir, run, state, received, expected={**state.messenger, **state.backbone})
+    hp = check_round(opened, received, expected={**state.messenger, **state.backbone})
     weights = participation_weights([r.packet.num_examples for r in received])
-    cloud = CloudRound(run, state, hp, load_cloud_models(run_dir, run, state, device))
+    cloud = CloudRound(run, state, hp, build_backbones(run, state, opened.aligned, device))
     strategy = strategy_for(run)
     h, report = strategy.aggregate_probes([r.packet.tensors for r in received], weights, cloud)
     path = RunFolder(run_dir).probe_answer(state.round, strategy.probe_answers)

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from ciders_cloud.models.device import cloud_device
-from ciders_cloud.models.teacher import load_cloud_models
+from ciders_cloud.models.teacher import build_backbones
 from ciders_cloud.privacy import PrivateRelease
-from ciders_cloud.round.commit import commit_round, open_round
+from ciders_cloud.round.commit import commit_round
+from ciders_cloud.round.intake import open_round
 from ciders_cloud.strategies import round_hyperparams_for
 from ciders_edge.errors import PacketError
 from ciders_edge.tensors import Tensors, non_finite
@@ -33,7 +34,8 @@ def aggregate_secure(
     round on it). Under DP each edge clipped its own displacement (``dp.clip_on = "edge"``) and the noise
     goes on their sum here."""
     device = cloud_device(device)
-    run, state = open_round(run_dir, secure=True)
+    opened = open_round(run_dir, secure=True)
+    run, state = opened.run, opened.state
     release = PrivateRelease.of(run)
     spent = release.check_budget(state.round) if release else None
     if release:
@@ -47,7 +49,7 @@ def aggregate_secure(
     if release:  # each edge clipped to C; the sum is the survivors' mean times their count
         mean, privacy = release.mechanism.release({k: t * len(clients) for k, t in mean.items()}, state.messenger)
         privacy = {**privacy, **spent.to_dict()}
-    backbones = load_cloud_models(run_dir, run, state, device)
+    backbones = build_backbones(run, state, opened.aligned, device)
     weights = release.weights(len(clients)) if release else [1.0 / len(clients)] * len(clients)
     round_ = {"clients": list(clients), "weights": weights, "secure": True}
     closing = {"dropped": {}, **({"privacy": privacy} if privacy is not None else {})}

@@ -15,7 +15,7 @@ A run folder, made by ``ciders-cloud prepare --out RUN`` (:class:`RunFolder`)::
         client_consensus.safetensors        every c_i, as "<client>/<tensor>" (its layers)   CLIENT_CONSENSUS
         takd_optimizer.safetensors          TAKD's AdamW moments, per backbone        TAKD_OPTIMIZER
       bundles/<profile>/round-XXXX/       what edges train on in round XXXX           .bundle(profile, round_)
-      keys/<client>.key                   optional: <client>'s packets must carry its tag   .key_file(client)
+      keys/<client>.key                   optional: <client>'s packets must carry its tag   .key_file(c), .key_files()
       <answers>/round-XXXX.safetensors    a strategy's answer to round XXXX's probes   .probe_answer(round_, answers)
                                           (the folder is the strategy's: Strategy.probe_answers)
       nodes/<client>.pub                  the edges a fleet admits                    .nodes, .node_keys()
@@ -138,6 +138,10 @@ class RunFolder:
 
     def key_file(self, client: str) -> Path:
         return self.root / "keys" / f"{client}.key"
+
+    def key_files(self) -> list[Path]:
+        """The clients' packet keys in ``keys/``, sorted by file name (so by client id)."""
+        return sorted((self.root / "keys").glob("*.key"))
 
     def probe_answer(self, round_: int, answers: str) -> Path:
         """Round ``round_``'s answer to its probes, in the strategy's folder ``answers``."""

@@ -196,6 +196,27 @@ def test_packet_trained_with_another_gamma_or_a_bad_id_is_refused(round0, tmp_pa
     assert r.exit_code == 1 and "is not a valid id" in r.stderr
 
 
+def test_a_client_with_a_key_file_is_aggregated_only_with_its_tag(round0, tmp_path):
+    """``RUN/keys/<client>.key``: that client's packets must carry its tag; a bad key file is named, nothing written."""
+    run, packets = _copy(round0, tmp_path)
+    key, keys = b"k" * 32, run / "keys"
+    keys.mkdir()
+    (keys / "a.key").write_bytes(key)
+    before = state_bytes(run)
+    r = runner.invoke(cloud, _args(run, packets))  # a's packet has no tag
+    assert r.exit_code == 1 and "a.pkt: authentication tag failed" in r.stderr
+    tagged = tmp_path / "a-tagged.pkt"
+    tagged.write_bytes(Packet.load(packets[0]).to_bytes(key))
+    (keys / "b.key").write_bytes(b"short")
+    r = runner.invoke(cloud, _args(run, [str(tagged), packets[1]]))
+    assert r.exit_code == 1 and "b.key: a client key needs at least 16 bytes, got 5" in r.stderr
+    assert state_bytes(run) == before
+    (keys / "b.key").unlink()
+    r = runner.invoke(cloud, _args(run, [str(tagged), packets[1]]))
+    assert r.exit_code == 0, r.output
+    assert ServerState.load(RunFolder(run).server_state).round == 1
+
+
 def test_a_second_writer_is_refused_while_the_run_is_locked(round0, tmp_path):
     """aggregate and distill each read the state, work, and commit: while one holds the run, another
     is refused at once, naming the holder, and writes nothing; a killed holder leaves no stale lock."""
