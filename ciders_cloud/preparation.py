@@ -25,13 +25,13 @@ from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.lock import claim_new_run
 from ciders_cloud.run.logs import write_round_log
 from ciders_cloud.run.server_state import ServerState
+from ciders_cloud.run.splits import run_profiles
 from ciders_cloud.strategies import check_run
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import append_jsonl, staging_dir, write_json, write_safetensors
 from ciders_edge.formats.checksums import sha256_file
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.sources import load_tokenizer, model_revision, resolve_model
-from ciders_edge.profiles import load_profile
 
 __all__ = ["prepare", "distill"]
 
@@ -49,7 +49,7 @@ def prepare(run: RunConfig, out: str | Path, device: str | torch.device = "cpu")
         ConfigError: ``out`` exists, a profile is unknown, the model does not fit a profile, the
             algorithm cannot serve the run, or ``device`` is not here.
     """
-    run = with_noise(check_run(run))  # before any work: refused in one line, or epsilon's noise solved
+    run = with_noise(check_run(_self_contained(run)))  # before any work: refused in one line, or noise solved
     device = cloud_device(device)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -58,9 +58,16 @@ def prepare(run: RunConfig, out: str | Path, device: str | torch.device = "cpu")
         return _prepare(run, out, device)
 
 
+def _self_contained(run: RunConfig) -> RunConfig:
+    """``run`` as later commands read it from any folder: its profiles by name with its own copy of each one
+    not shipped (:func:`run_profiles`), its public data by absolute path."""
+    _, kept = run_profiles(run.profiles, run.own_profiles)
+    return run.replace(**kept, public_data=str(Path(run.public_data).absolute()) if run.public_data else "")
+
+
 def _prepare(run: RunConfig, out: Path, device: torch.device) -> dict:
     """:func:`prepare`'s work, with ``out`` claimed: an empty folder no other prepare writes."""
-    profiles = [load_profile(p) for p in run.profiles]
+    profiles = run.device_profiles()
     hp = RoundHyperparams.from_dict(run.hyperparameters, where="`hyperparameters`")  # run.json names every one
     run = run.replace(model_path=str(resolve_model(run.model)), hyperparameters=hp.to_dict())
     deploy = deployments(run, profiles)
@@ -129,7 +136,7 @@ def distill(run_dir: str | Path, steps: int, device: str | torch.device = "cpu")
     state.optimizer = pack(optimizers, reference)
     state.takd_step = distiller.step_count
     state.save(folder.server_state)
-    bundles = write_bundles(run_dir, run, backbones, state, [load_profile(p) for p in run.profiles], fidelities)
+    bundles = write_bundles(run_dir, run, backbones, state, run.device_profiles(), fidelities)
     return _summary(run_dir, run, backbones, records, fidelities, {p: b.path for p, b in bundles.items()})
 
 
@@ -143,7 +150,9 @@ def run_identity(run: RunConfig) -> str:
     made_of["clients"] = made_of.pop("client_ids")  # the key before the rename: a run made alike keeps its id
     if not made_of["profile_splits"]:  # a one-split run keeps the id it had before there could be several
         del made_of["profile_splits"]
-    before_them = (("participation", 1.0), ("sampling", "fixed"), ("dp", {}), ("teacher_dtype", "fp32"))
+    before_them = (
+        ("participation", 1.0), ("sampling", "fixed"), ("dp", {}), ("teacher_dtype", "fp32"), ("own_profiles", {}),
+    )  # fmt: skip
     for key, before in before_them:  # as it had before them
         if made_of[key] == before:
             del made_of[key]

@@ -24,6 +24,7 @@ __all__ = [
     "DeviceProfile",
     "list_profiles",
     "load_profile",
+    "is_shipped",
     "detect_profile",
     "pick_device",
     "profile_for",
@@ -121,6 +122,11 @@ def _own() -> dict[str, Path]:
     from ciders_edge.model.sources import ciders_home
 
     return {p.stem: p for p in sorted((ciders_home() / "profiles").glob("*.toml"))}
+
+
+def is_shipped(name: str) -> bool:
+    """Whether ``name`` is a profile the toolkit ships (every install has it)."""
+    return name in _shipped()
 
 
 def _named() -> dict[str, Path]:

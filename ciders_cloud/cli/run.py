@@ -42,7 +42,9 @@ def prepare(
     model: Annotated[
         str | None, typer.Option(help="smollm2-135m (default), tiny, a local HF folder or a hub id.")
     ] = None,
-    profile: Annotated[list[str] | None, typer.Option(help="Device profile (repeatable); one bundle each.")] = None,
+    profile: Annotated[
+        list[str] | None, typer.Option(help="Device profile: a name or a .toml path (repeatable); one bundle each.")
+    ] = None,
     messenger_depth: Annotated[
         int | None,
         typer.Option(help="Messenger depth a (default: the deepest profile's; each profile trains its own top ones)."),
@@ -95,11 +97,10 @@ def prepare(
         from ciders_cloud.models.device import cloud_device
         from ciders_cloud.preparation import prepare as prepare_run
         from ciders_cloud.run.config import RunConfig, TakdConfig
-        from ciders_cloud.run.splits import fleet_split
+        from ciders_cloud.run.splits import fleet_split, run_profiles
         from ciders_edge.errors import ConfigError
         from ciders_edge.hyperparams import RoundHyperparams
         from ciders_edge.model.lora import LoraSettings
-        from ciders_edge.profiles import load_profile
 
         where = cloud_device(device)  # refused before anything is read or written
         flags = {
@@ -127,7 +128,8 @@ def prepare(
             del merged["dp"]
         if "public_data" not in merged:
             raise ConfigError("--public-data is required (or `public_data` in --config)")
-        profiles = [load_profile(p) for p in merged.get("profiles") or ["cpu-laptop"]]
+        profiles, kept = run_profiles(merged.get("profiles") or ["cpu-laptop"])
+        merged.update(kept)
         split = fleet_split(profiles, merged.get("messenger_depth"), merged.get("drop_ratio"))
         merged = {**split, **merged} if "profile_splits" in merged else {**merged, **split}
         merged.setdefault("lora", LoraSettings(rank=profiles[0].lora_rank).to_dict())  # one messenger: one rank

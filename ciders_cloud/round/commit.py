@@ -17,7 +17,6 @@ from ciders_cloud.run.logs import write_round_log
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.strategies import round_takd, strategy_for
 from ciders_edge.hyperparams import RoundHyperparams
-from ciders_edge.profiles import load_profile
 from ciders_edge.tensors import Tensors, norm
 
 __all__ = ["commit_round"]
@@ -69,7 +68,7 @@ def commit_round(
         last_summary=summary,
     )
     fidelities = {name: t.fidelity for name, t in takd.items()}
-    bundles = write_bundles(run_dir, run, backbones, new, [load_profile(p) for p in run.profiles], fidelities)
+    bundles = write_bundles(run_dir, run, backbones, new, run.device_profiles(), fidelities)
     summary["bundles"] = {k: str(b.path) for k, b in bundles.items()}
     summary["bytes_down"] = {k: b.new_bytes for k, b in bundles.items()}
     folder = RunFolder(run_dir)

@@ -20,6 +20,7 @@ from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.storage import STORAGES
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.lora import LoraSettings
+from ciders_edge.profiles import DeviceProfile, load_profile
 
 __all__ = [
     "TakdConfig",
@@ -117,7 +118,8 @@ class RunConfig(StrategyTables, ConfigMixin):
     model: str = "smollm2-135m"
     model_path: str = ""  # the resolved local folder
     model_revision: str = ""  # sha256 over the source config and weights
-    profiles: list[str] = field(default_factory=lambda: ["cpu-laptop"])
+    profiles: list[str] = field(default_factory=lambda: ["cpu-laptop"])  # by name (a bundle folder's)
+    own_profiles: dict = field(default_factory=dict)  # {name: table}: the run's copy of each profile not shipped
     messenger_depth: int = 6  # a: the global messenger's depth
     drop_ratio: float = 0.2  # the reference learnable backbone's (the one a one-backbone run has)
     # a profile that trains fewer messenger layers or runs another learnable backbone:
@@ -219,6 +221,16 @@ class RunConfig(StrategyTables, ConfigMixin):
         """``(a_p, r_p)``: how many messenger layers ``profile`` trains and its backbone's drop ratio."""
         split = self.profile_splits.get(profile, {})
         return int(split.get("messenger_depth", self.messenger_depth)), float(split.get("drop_ratio", self.drop_ratio))
+
+    def device_profiles(self) -> list[DeviceProfile]:
+        """The run's profiles in order: its own copy of each one the toolkit does not ship (``own_profiles``,
+        so a later command finds it from any folder), a shipped one by name."""
+        return [
+            DeviceProfile.from_dict(self.own_profiles[p], where=f"run.json `own_profiles.{p}`")
+            if p in self.own_profiles
+            else load_profile(p)
+            for p in self.profiles
+        ]
 
     @property
     def drop_ratios(self) -> list[float]:

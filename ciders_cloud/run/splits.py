@@ -1,4 +1,4 @@
-"""How a run's device profiles split the model: the messenger depth ``a``, the reference drop ratio,
+"""A run's device profiles, and how they split the model: the messenger depth ``a``, the reference drop ratio,
 and each profile's own trained depth and backbone (``RunConfig.profile_splits``), from the profiles'
 TOML files and the ``--messenger-depth`` / ``--drop-ratio`` flags. ``prepare`` and ``simulate`` use it."""
 
@@ -6,9 +6,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from ciders_edge.profiles import DeviceProfile
+from ciders_edge.errors import ConfigError
+from ciders_edge.profiles import DeviceProfile, is_shipped, load_profile
 
-__all__ = ["fleet_split"]
+__all__ = ["run_profiles", "fleet_split"]
+
+
+def run_profiles(given: list[str], own: dict | None = None) -> tuple[list[DeviceProfile], dict[str, Any]]:
+    """The profiles ``given`` (names, TOML paths, or names in ``own``: a run's copies), and what a run keeps
+    of them: ``profiles`` by name, and ``own_profiles``, its copy of every one the toolkit does not ship, so
+    that later commands find it from any folder. Two of one name, or a file that takes a shipped profile's
+    name, are refused: the run's bundle folders are named by the profiles' names."""
+    own = own or {}
+    profiles = [DeviceProfile.from_dict(own[g], where=g) if g in own else load_profile(g) for g in given]
+    names = [p.name for p in profiles]
+    for g, p in zip(given, profiles, strict=True):
+        if names.count(p.name) > 1:
+            raise ConfigError(f"two of the run's profiles are named {p.name!r}; give each a `name` of its own")
+        if g != p.name and g not in own and is_shipped(p.name):
+            raise ConfigError(f"{g}: names itself {p.name!r}, a shipped profile's name; give it a `name` of its own")
+    kept = {"profiles": names, "own_profiles": {p.name: p.to_dict() for p in profiles if not is_shipped(p.name)}}
+    return profiles, kept
 
 
 def fleet_split(profiles: list[DeviceProfile], depth: int | None, drop: float | None) -> dict[str, Any]:

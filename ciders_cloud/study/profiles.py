@@ -17,14 +17,22 @@ __all__ = ["StudyProfiles"]
 
 @dataclass(frozen=True)
 class StudyProfiles:
-    profile_of: dict[str, str]  # client id -> profile
+    profile_of: dict[str, str]  # client id -> profile, by the run's name for it
     layers: dict[str, ProfileLayers]  # profile -> where its messenger layers sit, in the study's order
+    own: frozenset[str] = frozenset()  # the run's own profiles (not shipped): an edge reads its bundle's copy
 
     @classmethod
     def of(cls, cfg: SimConfig, ids: list[str], run: RunConfig) -> StudyProfiles:
-        profile_of = cfg.client_profiles(ids)
+        """The study's profiles as the run names them (a profile given as a TOML path goes by its ``name``)."""
+        named = dict(zip(list(cfg.mix) or [cfg.profile], run.profiles, strict=True))
+        profile_of = {cid: named[given] for cid, given in cfg.client_profiles(ids).items()}
         layers = ProfileLayers.of(run)
-        return cls(profile_of, {p: layers[p] for p in dict.fromkeys(profile_of.values())})
+        return cls(profile_of, {p: layers[p] for p in dict.fromkeys(profile_of.values())}, frozenset(run.own_profiles))
+
+    def edge_profile(self, client: str) -> str | None:
+        """The profile ``client``'s edge is told to run: none for one of the run's own (the bundle holds it)."""
+        profile = self.profile_of[client]
+        return None if profile in self.own else profile
 
     @property
     def groups(self) -> dict[str, list[str]]:

@@ -121,7 +121,7 @@ def _job(
         data=str(study.train_data(cid)),
         state=str(study.client_state(cid)),
         packet=str(packet or study.packet(t, cid)),
-        profile=profile,
+        profile=profiles.edge_profile(cid),
         codec=cfg.codec,
         frozen_weights=cfg.frozen_weights or None,
         val_fraction=cfg.val_fraction,

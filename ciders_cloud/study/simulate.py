@@ -24,7 +24,7 @@ from ciders_cloud.preparation import prepare
 from ciders_cloud.privacy import PrivateRelease, with_noise
 from ciders_cloud.run.config import RunConfig, TakdConfig
 from ciders_cloud.run.folder import StudyFolder
-from ciders_cloud.run.splits import fleet_split
+from ciders_cloud.run.splits import fleet_split, run_profiles
 from ciders_cloud.strategies import check_run
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.engines import EngineSettings, run_with
@@ -35,7 +35,6 @@ from ciders_edge.data.records import read_jsonl
 from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import write_json, write_jsonl
 from ciders_edge.hyperparams import RoundHyperparams
-from ciders_edge.profiles import load_profile
 
 __all__ = ["SimConfig", "simulate", "prepare_study", "client_ids"]
 
@@ -140,14 +139,13 @@ def _label(records: list[dict], default: str) -> str:
 
 def _run_config(cfg: SimConfig, ids: list[str], study: StudyFolder) -> RunConfig:
     hp = RoundHyperparams(local_steps=cfg.local_steps).replace(**cfg.hyperparameters)
-    names = list(cfg.mix) or [cfg.profile]
-    profiles = [load_profile(name) for name in names]
+    profiles, kept = run_profiles(list(cfg.mix) or [cfg.profile])
     split = fleet_split(profiles, cfg.messenger_depth, cfg.drop_ratio)
     if cfg.profile_splits:
         split["profile_splits"] = cfg.profile_splits
     return RunConfig(
         model=cfg.model,
-        profiles=names,
+        **kept,
         seed=cfg.seed,
         **split,
         public_data=cfg.public_data or str(study.public_data),

@@ -61,7 +61,7 @@ def _publish(study: StudyFolder, out: Path) -> None:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out}: was filled while simulate ran; the finished study is in {study.root}")
     run = load_run(study.run.root)
-    if Path(run.public_data) == study.public_data:  # the default: a sample of client data
+    if Path(run.public_data).absolute() == study.public_data.absolute():  # the default: a sample of client data
         public = StudyFolder(out.absolute()).public_data
         write_json(study.run.config, run.replace(public_data=str(public)).to_dict())
     if out.exists():
