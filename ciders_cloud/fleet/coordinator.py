@@ -78,6 +78,7 @@ class Coordinator:
         self.state = ServerState.load(self.folder.server_state)
         self.started = self.state.round  # where this ServerApp took the run up
         self._bundles: dict[str, Bundle] = {}  # this round's, verified once
+        self._client_keys: dict[str, bytes] | None = None  # RUN/keys/, read once a round (not once a reply)
         self._bytes: dict[tuple[str, str], bytes] = {}  # their files, read once for every edge
         self._layers: dict[str, ProfileLayers] | None = None
         self._rng = random.SystemRandom()  # who is sampled is not to be foretold from the run's files
@@ -154,7 +155,7 @@ class Coordinator:
     def check(self, edge: Edge, packet: bytes) -> None:
         """Refuse a packet from another client than the authenticated node, or for another round or bundle."""
         where = f"round {self.round} reply of {edge.client_id}"
-        [received] = read_packets([(where, packet)], packet_keys(self.run_dir))
+        [received] = read_packets([(where, packet)], self.client_keys)
         if received.header.client_id != edge.client_id:
             raise PacketError(
                 f"{where}: packet claims client {received.header.client_id!r}, the node is {edge.client_id!r}"
@@ -170,16 +171,26 @@ class Coordinator:
             for e in sorted(packets, key=lambda e: e.client_id)
         ]
         summary = aggregate_packets(self.run_dir, items, drop_outliers=True, sampled=self.sampled)
-        self.state = ServerState.load(self.folder.server_state)
-        self._bundles, self._bytes = {}, {}
+        self._next_round()
         return summary
 
     def close_secure_round(self, mean: Tensors, edges: list[Edge]) -> dict:
         """Eq. (12)-(13) from the secure mean of ``edges``' displacements, and on to the next round."""
         summary = aggregate_secure(self.run_dir, mean, sorted(e.client_id for e in edges), sampled=self.sampled)
-        self.state = ServerState.load(self.folder.server_state)
-        self._bundles, self._bytes = {}, {}
+        self._next_round()
         return summary
+
+    def _next_round(self) -> None:
+        """The state the round committed; this round's bundles, their files and the keys are read anew."""
+        self.state = ServerState.load(self.folder.server_state)
+        self._bundles, self._bytes, self._client_keys = {}, {}, None
+
+    @property
+    def client_keys(self) -> dict[str, bytes]:
+        """The clients' packet keys (``RUN/keys/<client>.key``) this round."""
+        if self._client_keys is None:
+            self._client_keys = packet_keys(self.run_dir)
+        return self._client_keys
 
     def _file(self, profile: str, rel: str) -> bytes:
         if (profile, rel) not in self._bytes:

@@ -15,12 +15,13 @@ from typing import Any
 
 from ciders_cloud.run.dp_settings import SAMPLINGS, PrivacySettings
 from ciders_cloud.run.folder import RunFolder
+from ciders_cloud.run.splits import run_profiles
 from ciders_edge.config import ConfigMixin, check_value
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.storage import STORAGES
 from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.lora import LoraSettings
-from ciders_edge.profiles import DeviceProfile, load_profile
+from ciders_edge.profiles import DeviceProfile
 
 __all__ = [
     "TakdConfig",
@@ -225,12 +226,7 @@ class RunConfig(StrategyTables, ConfigMixin):
     def device_profiles(self) -> list[DeviceProfile]:
         """The run's profiles in order: its own copy of each one the toolkit does not ship (``own_profiles``,
         so a later command finds it from any folder), a shipped one by name."""
-        return [
-            DeviceProfile.from_dict(self.own_profiles[p], where=f"run.json `own_profiles.{p}`")
-            if p in self.own_profiles
-            else load_profile(p)
-            for p in self.profiles
-        ]
+        return run_profiles(self.profiles, self.own_profiles)[0]
 
     @property
     def drop_ratios(self) -> list[float]:

@@ -18,7 +18,10 @@ def run_profiles(given: list[str], own: dict | None = None) -> tuple[list[Device
     that later commands find it from any folder. Two of one name, or a file that takes a shipped profile's
     name, are refused: the run's bundle folders are named by the profiles' names."""
     own = own or {}
-    profiles = [DeviceProfile.from_dict(own[g], where=g) if g in own else load_profile(g) for g in given]
+    profiles = [
+        DeviceProfile.from_dict(own[g], where=f"the run's copy of profile {g!r}") if g in own else load_profile(g)
+        for g in given
+    ]
     names = [p.name for p in profiles]
     for g, p in zip(given, profiles, strict=True):
         if names.count(p.name) > 1:
