@@ -10,15 +10,19 @@ records held out (``--val-fraction``), the best messenger on it kept (:mod:`cide
 Each evaluation scores, on every client's held-out eval set and on AdapFu (the backbone ``rpi5-8gb``
 deploys), the messenger the client deploys beside its latest personalized one, the global one and the base
 model. Studies grow ``--step`` rounds a pass with ``simulate --resume`` (``long_run.grow_in_passes``); after each pass
-``results/deployed_choice.{json,md}`` hold every evaluated round and the issue's two targets:
+the judge (:mod:`deployed_judge`) scores the same four on ``--judge-records`` held-out records a client, since the
+study's own 8 cannot resolve 0.01 nats, and ``results/deployed_choice.{json,md}`` hold every evaluated round and
+the issue's two targets:
 - the deployed choice within ``--tolerance`` nats of the better of {latest personalized, global} on at
   least 90% of the clients that deploy one (a client never sampled has no state and runs the global one);
-- on no client worse than the base model.
+- on no client worse than the base model (counted as measured, beyond the tolerance, and beyond two paired
+  standard errors: what the judge's records can tell from noise).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from pathlib import Path
@@ -26,6 +30,7 @@ from statistics import mean
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
+from deployed_judge import judged  # noqa: E402
 from long_run import _metrics, grow_in_passes, study_config  # noqa: E402
 
 SETTINGS = ("partial", "c0.1")
@@ -43,55 +48,93 @@ def clients_at(rows: list[dict]) -> dict[int, list[dict]]:
 
 
 def score_round(records: list[dict], tolerance: float) -> dict:
-    """The targets' figures over one round's clients."""
-    gaps = [r["nll_full_deployed"] - min(r["nll_full_personal"], r["nll_full_global"]) for r in records]
-    over_base = [r["nll_full_deployed"] - r["nll_full_base"] for r in records]
+    """The targets' figures over one round's clients, from the study's own evaluation."""
+    rows = [
+        {
+            "deployed": r["deployed"],
+            "gap": r["nll_full_deployed"] - min(r["nll_full_personal"], r["nll_full_global"]),
+            "over_base": r["nll_full_deployed"] - r["nll_full_base"],
+            **{f"nll_{k}": r[f"nll_full_{n}"] for k, n in JUDGED_AS.items()},
+        }
+        for r in records
+    ]
+    return score(rows, tolerance)
+
+
+JUDGED_AS = {"deployed": "deployed", "latest": "personal", "global": "global", "base": "base"}
+
+
+def score(rows: list[dict], tolerance: float) -> dict:
+    """Over one round's clients: the share within ``tolerance`` of the better of {latest, global}; how many
+    are worse than the base model, as measured, beyond ``tolerance`` and (the judge's rows) beyond two paired
+    standard errors; the mean NLLs."""
+    within = sum(r["gap"] <= tolerance for r in rows)
     kinds: dict[str, int] = {}
-    for r in records:
+    for r in rows:
         kinds[r["deployed"]] = kinds.get(r["deployed"], 0) + 1
+    judged = all("over_base_se" in r for r in rows)
     return {
-        "clients": len(records),
-        "within": sum(g <= tolerance for g in gaps),
-        "share_within": sum(g <= tolerance for g in gaps) / len(records),
-        "worst_gap": max(gaps),
-        "worse_than_base": sum(d > 0 for d in over_base),
-        "worst_vs_base": max(over_base),
-        "deployed": mean(r["nll_full_deployed"] for r in records),
-        "latest": mean(r["nll_full_personal"] for r in records),
-        "global": mean(r["nll_full_global"] for r in records),
-        "base": mean(r["nll_full_base"] for r in records),
+        "clients": len(rows),
+        "within": within,
+        "share_within": within / len(rows),
+        "worst_gap": max(r["gap"] for r in rows),
+        "worse_than_base": sum(r["over_base"] > 0 for r in rows),
+        "worse_than_base_beyond_tolerance": sum(r["over_base"] > tolerance for r in rows),
+        "worse_than_base_beyond_2se": sum(r["over_base"] > 2 * r["over_base_se"] for r in rows) if judged else None,
+        "worst_vs_base": max(r["over_base"] for r in rows),
+        **{k: mean(r[f"nll_{k}"] for r in rows) for k in JUDGED_AS},
         "kinds": kinds,
     }
 
 
 def report(args: argparse.Namespace) -> None:
-    """``results/deployed_choice.{json,md}`` from the studies under ``--out``."""
+    """``results/deployed_choice.{json,md}`` from the studies under ``--out``: per evaluated round, the
+    study's own evaluation (``eval_examples`` records a client) and the judge's (``--judge-records``)."""
     payload: dict = {"settings": {}, "val_fraction": args.val_fraction, "tolerance": args.tolerance}
     table = []
     for setting in args.settings.split(","):
         out = args.out / setting / ALGORITHM
         by_round = dict(sorted(clients_at(_metrics(out)).items()))
         rounds = {t: score_round(recs, args.tolerance) for t, recs in by_round.items()}
-        payload["settings"][setting] = {"rounds": rounds, "clients": by_round}
-        for t, s in rounds.items():
-            passes = s["share_within"] >= SHARE_TARGET and s["worse_than_base"] == 0
-            kinds = ", ".join(f"{k} {n}" for k, n in sorted(s["kinds"].items()))
-            table.append([
-                setting, str(t), str(s["clients"]), f"{s['deployed']:.4f}", f"{s['latest']:.4f}", f"{s['global']:.4f}",
-                f"{s['base']:.4f}", f"{s['within']}/{s['clients']} ({s['share_within']:.0%})", f"{s['worst_gap']:+.4f}",
-                f"{s['worse_than_base']} (worst {s['worst_vs_base']:+.4f})", kinds, "pass" if passes else "**fail**",
-            ])  # fmt: skip
+        verdicts = {t: score(list(j["clients"].values()), args.tolerance) for t, j in judged(out).items()}
+        payload["settings"][setting] = {"rounds": rounds, "clients": by_round, "judged": verdicts}
+        size = {"study": study_records(out)} | {t: j["records"] for t, j in judged(out).items()}
+        for t in sorted(set(rounds) | set(verdicts)):
+            for source, s in (("study", rounds.get(t)), ("judge", verdicts.get(t))):
+                if s is not None:
+                    table.append(_row(setting, t, size["study" if source == "study" else t], s, args.tolerance))
     header = [
-        "setting", "round", "clients deploying", "deployed NLL", "latest personalized", "global", "base model",
-        f"within {args.tolerance} of min(latest, global)", "worst gap", "worse than base", "deployed", "targets",
+        "setting", "round", "eval records a client", "clients deploying", "deployed NLL", "latest personalized",
+        "global", "base model", f"within {args.tolerance} of min(latest, global)", "worst gap",
+        f"worse than base (> {args.tolerance}; > 2 SE)", "deployed", "targets",
     ]  # fmt: skip
     notes = (
         f"AdapFu NLL on each client's held-out eval set (means over the clients that hold a deployed choice: a client "
         f"never sampled has none), CIDERS-FO, `--val-fraction {args.val_fraction}`. Targets (issue 58): within "
-        f"{args.tolerance} nats on >= {SHARE_TARGET:.0%} of clients, worse than the base model on none."
+        f"{args.tolerance} nats on >= {SHARE_TARGET:.0%} of clients, worse than the base model on none. Each round has "
+        "the study's own evaluation and, where judged, the judge's on more records (`deployed_judge.py`)."
     )
     path = write_results("deployed_choice", payload, table, header, notes)
     print(f"wrote {path}")
+
+
+def study_records(out: Path) -> int | str:
+    config = out / "config.json"
+    return json.loads(config.read_text())["eval_examples"] if config.is_file() else "?"
+
+
+def _row(setting: str, t: int, records, s: dict, tolerance: float) -> list[str]:
+    passes = s["share_within"] >= SHARE_TARGET and s["worse_than_base"] == 0
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(s["kinds"].items()))
+    beyond_se = "-" if s["worse_than_base_beyond_2se"] is None else s["worse_than_base_beyond_2se"]
+    over_base = f"{s['worse_than_base']} ({s['worse_than_base_beyond_tolerance']}; {beyond_se})"
+    return [
+        setting, str(t), str(records), str(s["clients"]), f"{s['deployed']:.4f}", f"{s['latest']:.4f}",
+        f"{s['global']:.4f}", f"{s['base']:.4f}", f"{s['within']}/{s['clients']} ({s['share_within']:.0%})",
+        f"{s['worst_gap']:+.4f}",
+        f"{over_base}, worst {s['worst_vs_base']:+.4f}",
+        kinds, "pass" if passes else "**fail**",
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -110,6 +153,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="tiny for a quick try of the script")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--judge-records", type=int, default=64, help="eval records a client judged (0: none)")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time box's stop unwinds: grow notes its rounds
@@ -121,8 +165,19 @@ def main() -> None:
             (study_config(s, ALGORITHM, args).replace(val_fraction=args.val_fraction), args.out / s / ALGORITHM)
             for s in args.settings.split(",")
         ]
-        grow_in_passes(studies, args.rounds, args.step, args.device, lambda: report(args))
+        judge_and_report = lambda: (judge(studies, args), report(args))  # noqa: E731
+        judge(studies, args)  # the round a study stopped at, if not judged yet
+        grow_in_passes(studies, args.rounds, args.step, args.device, judge_and_report)
     report(args)
+
+
+def judge(studies: list, args: argparse.Namespace) -> None:
+    """The judge's verdict on every study's last round, where it has one to judge."""
+    from deployed_judge import judge_round
+
+    for _, out in studies if args.judge_records else []:
+        if (out / "config.json").is_file() and (path := judge_round(out, args.judge_records, args.device)):
+            print(f"judged: {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""Issue 58's judge: each client's deployed messenger against its rivals on many held-out records.
+
+A study evaluates on ``eval_examples`` records a client (8 in the long run's settings): on 8 records the
+paired noise of an NLL gap is 0.01-0.1 nats, as large as the 0.01-nat target itself, so the study's own
+figures cannot say whether a choice met it. The judge scores, after a round, every client that holds a
+deployed choice on the first ``records`` of its held-out eval set, on AdapFu: the deployed messenger (its
+state's best), its latest personalized one, the newest global one and the base model, each gap with its
+paired standard error (:func:`ciders_edge.training.validation.paired_se`, the device's own statistic).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ciders_cloud.run.folder import StudyFolder
+from ciders_cloud.run.server_state import ServerState
+from ciders_cloud.study.config import SimConfig
+from ciders_edge.data.records import load_examples
+from ciders_edge.formats.atomic import write_json
+from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import ClientState
+from ciders_edge.inference.evaluate import backbone_batches
+from ciders_edge.model.adapfu import load_adapfu
+from ciders_edge.progress import progress_bar
+from ciders_edge.training.validation import Scores, messenger_scores, paired_se
+
+__all__ = ["JUDGED", "judge_round"]
+
+JUDGED = "deployed_judge"  # in each study: round-NNNN.json, one per judged round
+
+
+def judged_path(out: Path, round_: int) -> Path:
+    return out / JUDGED / f"round-{round_:04d}.json"
+
+
+@torch.no_grad()
+def judge_round(out: Path, records: int, device: str = "cpu") -> Path | None:
+    """Judge the clients of the study in ``out`` after its last round, on ``device``; None when that round
+    is judged already or no client holds a deployed choice yet."""
+    study = StudyFolder(out)
+    cfg = SimConfig.from_dict(json.loads(study.config.read_text()), where=str(study.config))
+    done = ServerState.load(study.run.server_state).round
+    path = judged_path(out, done - 1)
+    if path.is_file():
+        return None
+    states = {c: s for c in _clients(study) if (s := ClientState.load(study.client_state(c))) is not None and s.best}
+    if not states:
+        return None
+    edge = load_adapfu(Bundle.load(study.run.bundle(cfg.profile, done)))  # the newest global messenger
+    edge.model.to(device)
+    v = dict(edge.bundle.messenger_lora())
+    shared: dict[str, tuple] = {}  # by eval data: its batches, the global's and the base model's scores
+    clients = {}
+    with progress_bar() as bar:  # minutes on SmolLM2: two messengers a client, two more per eval set
+        task = bar.add_task(f"judge round {done - 1}", total=len(states), metrics="")
+        for cid, state in states.items():
+            clients[cid] = _judge(edge, v, study.eval_data(cid), state, records, shared)
+            bar.update(task, advance=1, metrics=cid)
+    write_json(path, {"round": done - 1, "records": records, "clients": clients})
+    return path
+
+
+def _judge(edge, v: dict, eval_data: Path, state: ClientState, records: int, shared: dict) -> dict:
+    """One client's four messengers on its eval records (the global's and the base's shared by its data)."""
+    digest = hashlib.sha256(eval_data.read_bytes()).hexdigest()
+    if digest not in shared:
+        batches = backbone_batches(edge, load_examples(eval_data, edge.tokenizer, 512)[:records])
+        base = {k: torch.zeros_like(t) for k, t in v.items()}
+        shared[digest] = batches, _score(edge, v, batches), _score(edge, base, batches)
+    batches, glob, base = shared[digest]
+    deployed, latest = _score(edge, state.best, batches), _score(edge, state.personalized, batches)
+    better = min((latest, glob), key=lambda s: s.nll)
+    return {
+        "deployed": state.best_info["messenger"],
+        "alpha": state.best_info.get("alpha"),
+        "records": len(deployed.record_nll),
+        **{f"nll_{n}": s.nll for n, s in (("deployed", deployed), ("latest", latest), ("global", glob))},
+        "nll_base": base.nll,
+        "gap": deployed.nll - better.nll,  # to the better of {latest personalized, global}
+        "gap_se": paired_se(deployed, better),
+        "over_base": deployed.nll - base.nll,
+        "over_base_se": paired_se(deployed, base),
+    }
+
+
+def _score(edge, messenger: dict, batches: list) -> Scores:
+    edge.use_messenger({k: t.float() for k, t in messenger.items()})
+    return messenger_scores(edge, batches)
+
+
+def _clients(study: StudyFolder) -> list[str]:
+    root = study.root / "clients"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def judged(out: Path) -> dict[int, dict]:
+    """Every judged round of the study in ``out``."""
+    folder = out / JUDGED
+    files = sorted(folder.glob("round-*.json")) if folder.is_dir() else []
+    return {(d := json.loads(f.read_text()))["round"]: d for f in files}
