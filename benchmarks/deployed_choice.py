@@ -73,10 +73,12 @@ def score(rows: list[dict], tolerance: float) -> dict:
     for r in rows:
         kinds[r["deployed"]] = kinds.get(r["deployed"], 0) + 1
     judged = all("over_base_se" in r for r in rows)
+    held = sum(r["gap_held"] <= tolerance for r in rows) if all("gap_held" in r for r in rows) else None
     return {
         "clients": len(rows),
         "within": within,
         "share_within": within / len(rows),
+        "within_of_held": held,  # against the global each client holds (the judge's rows)
         "worst_gap": max(r["gap"] for r in rows),
         "worse_than_base": sum(r["over_base"] > 0 for r in rows),
         "worse_than_base_beyond_tolerance": sum(r["over_base"] > tolerance for r in rows),
@@ -102,10 +104,12 @@ def report(args: argparse.Namespace) -> None:
         for t in sorted(set(rounds) | set(verdicts)):
             for source, s in (("study", rounds.get(t)), ("judge", verdicts.get(t))):
                 if s is not None:
-                    table.append(_row(setting, t, size["study" if source == "study" else t], s, args.tolerance))
+                    records = size["study" if source == "study" else t]
+                    table.append(_row(setting, t, f"{source} ({records})", s, args.tolerance))
     header = [
-        "setting", "round", "eval records a client", "clients deploying", "deployed NLL", "latest personalized",
-        "global", "base model", f"within {args.tolerance} of min(latest, global)", "worst gap",
+        "setting", "round", "scored by (eval records a client)", "clients deploying", "deployed NLL",
+        "latest personalized", "global", "base model", f"within {args.tolerance} of min(latest, global)",
+        "... of the global it holds", "worst gap",
         f"worse than base (> {args.tolerance}; > 2 SE)", "deployed", "targets",
     ]  # fmt: skip
     notes = (
@@ -131,7 +135,7 @@ def _row(setting: str, t: int, records, s: dict, tolerance: float) -> list[str]:
     return [
         setting, str(t), str(records), str(s["clients"]), f"{s['deployed']:.4f}", f"{s['latest']:.4f}",
         f"{s['global']:.4f}", f"{s['base']:.4f}", f"{s['within']}/{s['clients']} ({s['share_within']:.0%})",
-        f"{s['worst_gap']:+.4f}",
+        "-" if s["within_of_held"] is None else f"{s['within_of_held']}/{s['clients']}", f"{s['worst_gap']:+.4f}",
         f"{over_base}, worst {s['worst_vs_base']:+.4f}",
         kinds, "pass" if passes else "**fail**",
     ]  # fmt: skip

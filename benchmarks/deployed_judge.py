@@ -6,6 +6,10 @@ figures cannot say whether a choice met it. The judge scores, after a round, eve
 deployed choice on the first ``records`` of its held-out eval set, on AdapFu: the deployed messenger (its
 state's best), its latest personalized one, the newest global one and the base model, each gap with its
 paired standard error (:func:`ciders_edge.training.validation.paired_se`, the device's own statistic).
+
+A client not sampled in the last rounds chose against the global messenger of the bundle it last trained
+from, and has not seen the newer ones: beside the issue's gap (to the newest global) the judge gives the gap
+to the better of {latest personalized, the global the device holds}.
 """
 
 from __future__ import annotations
@@ -58,14 +62,18 @@ def judge_round(out: Path, records: int, device: str = "cpu") -> Path | None:
     with progress_bar() as bar:  # minutes on SmolLM2: two messengers a client, two more per eval set
         task = bar.add_task(f"judge round {done - 1}", total=len(states), metrics="")
         for cid, state in states.items():
-            clients[cid] = _judge(edge, v, study.eval_data(cid), state, records, shared)
+            held = v if state.round + 1 == done else Bundle.load(study.run.bundle(cfg.profile, state.round))
+            held = held if held is v else held.messenger_lora()
+            clients[cid] = _judge(edge, (v, held), study.eval_data(cid), state, records, shared)
             bar.update(task, advance=1, metrics=cid)
     write_json(path, {"round": done - 1, "records": records, "clients": clients})
     return path
 
 
-def _judge(edge, v: dict, eval_data: Path, state: ClientState, records: int, shared: dict) -> dict:
-    """One client's four messengers on its eval records (the global's and the base's shared by its data)."""
+def _judge(edge, globals_: tuple[dict, dict], eval_data: Path, state: ClientState, records: int, shared: dict) -> dict:
+    """One client's four messengers on its eval records (the global's and the base's shared by its data);
+    ``globals_``: the newest global messenger and the one the client's last round trained from."""
+    v, held = globals_
     digest = hashlib.sha256(eval_data.read_bytes()).hexdigest()
     if digest not in shared:
         batches = backbone_batches(edge, load_examples(eval_data, edge.tokenizer, 512)[:records])
@@ -73,7 +81,8 @@ def _judge(edge, v: dict, eval_data: Path, state: ClientState, records: int, sha
         shared[digest] = batches, _score(edge, v, batches), _score(edge, base, batches)
     batches, glob, base = shared[digest]
     deployed, latest = _score(edge, state.best, batches), _score(edge, state.personalized, batches)
-    better = min((latest, glob), key=lambda s: s.nll)
+    better = min((latest, glob), key=_nll)
+    known = min((latest, glob if held is v else _score(edge, held, batches)), key=_nll)
     return {
         "deployed": state.best_info["messenger"],
         "alpha": state.best_info.get("alpha"),
@@ -82,9 +91,15 @@ def _judge(edge, v: dict, eval_data: Path, state: ClientState, records: int, sha
         "nll_base": base.nll,
         "gap": deployed.nll - better.nll,  # to the better of {latest personalized, global}
         "gap_se": paired_se(deployed, better),
+        "stale_rounds": edge.bundle.round - 1 - state.round,  # rounds since it last trained
+        "gap_held": deployed.nll - known.nll,  # to the better of {latest, the global it holds}
         "over_base": deployed.nll - base.nll,
         "over_base_se": paired_se(deployed, base),
     }
+
+
+def _nll(s: Scores) -> float:
+    return s.nll
 
 
 def _score(edge, messenger: dict, batches: list) -> Scores:

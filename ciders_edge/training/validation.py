@@ -28,6 +28,7 @@ from ciders_edge.tensors import Tensors
 
 __all__ = [
     "MIX_ALPHAS",
+    "SE_MARGIN",
     "Choice",
     "Scores",
     "Validation",
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 MIX_ALPHAS = (0.25, 0.5, 0.75)  # α of α·x_K + (1−α)·v, besides 0 (global) and 1 (personalized)
+SE_MARGIN = 1.0  # standard errors a rival must win by: 0 and 2 met the target on fewer clients (deployed_rules.py)
 SHORT_ANSWER = 16  # response tokens, the end of turn included: exact match is scored on records this short
 
 
@@ -146,10 +148,10 @@ class Validation:
         return {**out, "deployed": self.best.label(), "deployed_nll": self.best.nll}
 
 
-def deployable(choices: list[Choice]) -> int:
-    """The index of the lowest NLL plus standard error: the first choice (this round's personalized messenger,
-    whose own ``se`` is 0) unless a rival's NLL is lower by more than its paired standard error."""
-    return min(range(len(choices)), key=lambda i: choices[i].nll + choices[i].se)
+def deployable(choices: list[Choice], margin: float = SE_MARGIN) -> int:
+    """The index of the lowest NLL plus ``margin`` standard errors: the first choice (this round's personalized
+    messenger, whose own ``se`` is 0) unless a rival's NLL is lower by more than that."""
+    return min(range(len(choices)), key=lambda i: choices[i].nll + margin * choices[i].se)
 
 
 def validate(

@@ -119,6 +119,13 @@ def test_a_rival_must_win_by_more_than_its_standard_error(rival_nll, deployed):
     assert choices[deployable(choices)].messenger == deployed
 
 
+def test_the_margin_counts_standard_errors():
+    """A rival 0.03 ahead with a standard error of 0.02: beyond one (the default), within two, and any lead
+    wins at margin 0 (the lowest NLL)."""
+    choices = [Choice("personalized", 3, nll=1.0), Choice("global", 3, nll=0.97, se=0.02)]
+    assert [choices[deployable(choices, m)].messenger for m in (0.0, 1.0, 2.0)] == ["global", "global", "personalized"]
+
+
 @pytest.fixture(scope="module")
 def mixed(tiny_run, demo_dir, tmp_path_factory):
     """A state whose round (a step far too large) made the personalized messenger worse than the global one:
