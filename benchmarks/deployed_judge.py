@@ -23,6 +23,7 @@ import torch
 from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.study.config import SimConfig
+from ciders_cloud.study.round_loop import evaluated_after
 from ciders_edge.data.records import load_examples
 from ciders_edge.formats.atomic import write_json
 from ciders_edge.formats.bundle import Bundle
@@ -43,13 +44,13 @@ def judged_path(out: Path, round_: int) -> Path:
 
 @torch.no_grad()
 def judge_round(out: Path, records: int, device: str = "cpu") -> Path | None:
-    """Judge the clients of the study in ``out`` after its last round, on ``device``; None when that round
-    is judged already or no client holds a deployed choice yet."""
+    """Judge the clients of the study in ``out`` after its last round, on ``device``; None when the study
+    does not evaluate that round, it is judged already or no client holds a deployed choice yet."""
     study = StudyFolder(out)
     cfg = SimConfig.from_dict(json.loads(study.config.read_text()), where=str(study.config))
     done = ServerState.load(study.run.server_state).round
     path = judged_path(out, done - 1)
-    if path.is_file():
+    if done == 0 or not evaluated_after(cfg, done - 1) or path.is_file():
         return None
     states = {c: s for c in _clients(study) if (s := ClientState.load(study.client_state(c))) is not None and s.best}
     if not states:
