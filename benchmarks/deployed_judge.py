@@ -33,7 +33,7 @@ from ciders_edge.model.adapfu import load_adapfu
 from ciders_edge.progress import progress_bar
 from ciders_edge.training.validation import Scores, messenger_scores, paired_se
 
-__all__ = ["JUDGED", "judge_round"]
+__all__ = ["JUDGED", "client_states", "judge_round", "judged", "open_study"]
 
 JUDGED = "deployed_judge"  # in each study: round-NNNN.json, one per judged round
 
@@ -42,17 +42,29 @@ def judged_path(out: Path, round_: int) -> Path:
     return out / JUDGED / f"round-{round_:04d}.json"
 
 
+def open_study(out: Path) -> tuple[StudyFolder, SimConfig, int]:
+    """The study in ``out``, its config and how many rounds it has run."""
+    study = StudyFolder(out)
+    cfg = SimConfig.from_dict(json.loads(study.config.read_text()), where=str(study.config))
+    return study, cfg, ServerState.load(study.run.server_state).round
+
+
+def client_states(study: StudyFolder) -> dict[str, ClientState]:
+    """The clients that hold a deployed choice (every client that has trained), by id."""
+    root = study.root / "clients"
+    ids = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    return {c: s for c in ids if (s := ClientState.load(study.client_state(c))) is not None and s.best}
+
+
 @torch.no_grad()
 def judge_round(out: Path, records: int, device: str = "cpu") -> Path | None:
     """Judge the clients of the study in ``out`` after its last round, on ``device``; None when the study
     does not evaluate that round, it is judged already or no client holds a deployed choice yet."""
-    study = StudyFolder(out)
-    cfg = SimConfig.from_dict(json.loads(study.config.read_text()), where=str(study.config))
-    done = ServerState.load(study.run.server_state).round
+    study, cfg, done = open_study(out)
     path = judged_path(out, done - 1)
     if done == 0 or not evaluated_after(cfg, done - 1) or path.is_file():
         return None
-    states = {c: s for c in _clients(study) if (s := ClientState.load(study.client_state(c))) is not None and s.best}
+    states = client_states(study)
     if not states:
         return None
     edge = load_adapfu(Bundle.load(study.run.bundle(cfg.profile, done)))  # the newest global messenger
@@ -106,11 +118,6 @@ def _nll(s: Scores) -> float:
 def _score(edge, messenger: dict, batches: list) -> Scores:
     edge.use_messenger({k: t.float() for k, t in messenger.items()})
     return messenger_scores(edge, batches)
-
-
-def _clients(study: StudyFolder) -> list[str]:
-    root = study.root / "clients"
-    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
 def judged(out: Path) -> dict[int, dict]:

@@ -14,7 +14,6 @@ and not worse than the base model.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,14 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
+from deployed_judge import client_states, open_study  # noqa: E402
 
-from ciders_cloud.run.folder import StudyFolder  # noqa: E402
-from ciders_cloud.run.server_state import ServerState  # noqa: E402
-from ciders_cloud.study.config import SimConfig  # noqa: E402
 from ciders_edge.data.holdout import hold_out  # noqa: E402
 from ciders_edge.data.records import load_examples  # noqa: E402
 from ciders_edge.formats.bundle import Bundle  # noqa: E402
-from ciders_edge.formats.client_state import ClientState  # noqa: E402
 from ciders_edge.inference.evaluate import backbone_batches  # noqa: E402
 from ciders_edge.model.adapfu import load_adapfu  # noqa: E402
 from ciders_edge.profiles import load_profile  # noqa: E402
@@ -65,16 +61,12 @@ def client_candidates(edge, slice_records, judge_records, x: dict, v: dict, t: i
 
 def study_candidates(study_dir: Path, judge_records: int) -> dict[str, list[dict]]:
     """Per client that has trained: its candidates (:func:`client_candidates`) after the study's last round."""
-    study = StudyFolder(study_dir)
-    cfg = SimConfig.from_dict(json.loads(study.config.read_text()), where=str(study.config))
-    done = ServerState.load(study.run.server_state).round
+    study, cfg, done = open_study(study_dir)
     bundle = Bundle.load(study.run.bundle(cfg.profile, done))
     edge = load_adapfu(bundle)
     seq_len = round_hyperparams(bundle, load_profile(cfg.profile), {}).seq_len
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
-    ids = sorted(p.name for p in (study.root / "clients").iterdir())
-    states = {c: s for c in ids if (s := ClientState.load(study.client_state(c))) is not None and s.personalized}
-    out = {}
+    states, out = client_states(study), {}
     with progress_bar() as bar:
         task = bar.add_task("candidates", total=len(states), metrics="")
         for cid, state in states.items():
