@@ -1,0 +1,99 @@
+"""benchmarks/deployed_choice.py's verdicts and its judge (issue 58): the judge scores what the study's own
+evaluation scores, and the report counts the targets from both."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_runs import FAST, fast_study
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import common  # noqa: E402
+import deployed_choice  # noqa: E402
+import deployed_judge  # noqa: E402
+
+
+def _row(gap: float, over_base: float, se: float = 0.01, held: float | None = None) -> dict:
+    nll = {"nll_deployed": 2.0, "nll_latest": 2.0, "nll_global": 2.1, "nll_base": 2.0 - over_base}
+    return {"deployed": "mix", "gap": gap, "gap_held": gap if held is None else held, "over_base": over_base,
+            "over_base_se": se, **nll}  # fmt: skip
+
+
+def test_the_verdict_counts_each_target_as_measured_beyond_the_tolerance_and_beyond_the_noise():
+    """Gaps 0.005, 0.02 (a client not sampled lately: 0.004 to the global it holds) and -0.001: 2 of 3 within
+    0.01, 3 of 3 of the global each holds. Over the base 0.015 (SE 0.01: beyond the tolerance, within 2 SE),
+    0.03 (SE 0.01: beyond both), 0.004 (beyond neither)."""
+    rows = [_row(0.005, 0.015), _row(0.02, 0.03, held=0.004), _row(-0.001, 0.004)]
+    s = deployed_choice.score(rows, 0.01)
+    assert (s["within"], s["within_of_held"], s["clients"]) == (2, 3, 3)
+    assert s["worse_than_base"] == 3 and s["worse_than_base_beyond_tolerance"] == 2
+    assert s["worse_than_base_beyond_2se"] == 1 and s["worst_gap"] == 0.02
+
+
+def test_a_study_row_has_no_standard_errors_to_count_by():
+    records = [{"deployed": "personalized", "nll_full_deployed": 2.0, "nll_full_personal": 2.0,
+                "nll_full_global": 2.1, "nll_full_base": 1.99}]  # fmt: skip
+    s = deployed_choice.score_round(records, 0.01)
+    assert s["worse_than_base"] == 1 and s["worse_than_base_beyond_2se"] is None and s["within_of_held"] is None
+
+
+@pytest.fixture(scope="module")
+def study(demo_dir, tmp_path_factory) -> Path:
+    """A one-round tiny study whose clients each hold out a validation slice and deploy their best."""
+    from ciders_cloud.study.simulate import simulate
+
+    out = tmp_path_factory.mktemp("deployed") / "partial" / deployed_choice.ALGORITHM
+    simulate(fast_study(demo_dir, rounds=1, eval_generate=0, max_records=0, val_fraction=0.1), out)
+    return out
+
+
+def test_the_judge_on_the_studys_records_agrees_with_its_evaluation(study):
+    """Judged on the study's own eval records (its first ``eval_examples``), each client's deployed, latest,
+    global and base NLL are the study's: one scoring of the same messengers on the same model."""
+    path = deployed_judge.judge_round(study, FAST["eval_examples"])
+    judged = json.loads(path.read_text())["clients"]
+    evals = {r["client"]: r for r in map(json.loads, (study / "metrics.jsonl").read_text().splitlines())
+             if r["type"] == "eval"}  # fmt: skip
+    assert judged and judged.keys() == evals.keys()
+    for cid, j in judged.items():
+        e = evals[cid]
+        for mine, theirs in (("deployed", "deployed"), ("latest", "personal"), ("global", "global"), ("base", "base")):
+            assert j[f"nll_{mine}"] == pytest.approx(e[f"nll_full_{theirs}"], rel=1e-5), (cid, mine)
+        assert j["gap"] == pytest.approx(j["nll_deployed"] - min(j["nll_latest"], j["nll_global"]))
+        assert j["stale_rounds"] == 0 and j["gap_held"] == j["gap"]  # every client trained in the one round
+    assert deployed_judge.judge_round(study, FAST["eval_examples"]) is None  # a round is judged once
+
+
+def test_the_report_shows_the_studys_rows_and_the_judges(study, tmp_path, monkeypatch):
+    deployed_judge.judge_round(study, FAST["eval_examples"])  # None where the test above judged it
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    args = deployed_choice.argparse.Namespace(out=study.parents[1], settings="partial", val_fraction=0.1,
+                                              tolerance=0.01)  # fmt: skip
+    deployed_choice.report(args)
+    rows = [r.split(" | ") for r in (tmp_path / "results" / "deployed_choice.md").read_text().splitlines()
+            if r.startswith("| partial |")]  # fmt: skip
+    assert [r[2] for r in rows] == [f"study ({FAST['eval_examples']})", f"judge ({FAST['eval_examples']})"]
+    study_means, judged_means = ([float(x) for x in r[4:8]] for r in rows)  # deployed, latest, global, base
+    assert judged_means == pytest.approx(study_means, abs=2e-4)  # the same means, scored twice
+
+
+def test_each_margin_is_held_to_the_targets_by_the_judges_scores():
+    """One client whose slice puts the global messenger 0.03 ahead (SE 0.02) and a mix 0.05 ahead (SE 0.045):
+    margin 0 picks the mix, 1 the global one, 2 the personalized one. The judge's records favour the global
+    one by 0.02, so only margin 1 lands within 0.01 nats; the mix trails the base model."""
+    import deployed_rules
+
+    cands = [
+        {"name": "personalized", "slice": 1.0, "se": 0.0, "judge": 2.02},
+        {"name": "global", "slice": 0.97, "se": 0.02, "judge": 2.0},
+        {"name": "mix_0.5", "slice": 0.95, "se": 0.045, "judge": 2.03},
+        {"name": "base", "slice": 1.2, "se": 0.1, "judge": 2.025},
+    ]
+    rows = {m: deployed_rules.judge_margin({"c": cands}, m, 0.01) for m in (0.0, 1.0, 2.0)}
+    assert [rows[m]["picks"] for m in rows] == [["mix_0.5"], ["global"], ["personalized"]]
+    assert [rows[m]["within"] for m in rows] == [0, 1, 0]
+    assert rows[0.0]["worse_than_base"] == 1 and rows[1.0]["worse_than_base"] == 0
+    assert rows[0.0]["mean_gap"] == pytest.approx(0.03)
