@@ -47,6 +47,9 @@ def clients_at(rows: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
+JUDGED_AS = {"deployed": "deployed", "latest": "personal", "global": "global", "base": "base"}  # judge: study
+
+
 def score_round(records: list[dict], tolerance: float) -> dict:
     """The targets' figures over one round's clients, from the study's own evaluation."""
     rows = [
@@ -59,9 +62,6 @@ def score_round(records: list[dict], tolerance: float) -> dict:
         for r in records
     ]
     return score(rows, tolerance)
-
-
-JUDGED_AS = {"deployed": "deployed", "latest": "personal", "global": "global", "base": "base"}
 
 
 def score(rows: list[dict], tolerance: float) -> dict:
@@ -98,14 +98,14 @@ def report(args: argparse.Namespace) -> None:
         out = args.out / setting / ALGORITHM
         by_round = dict(sorted(clients_at(_metrics(out)).items()))
         rounds = {t: score_round(recs, args.tolerance) for t, recs in by_round.items()}
-        verdicts = {t: score(list(j["clients"].values()), args.tolerance) for t, j in judged(out).items()}
+        judge = judged(out)
+        verdicts = {t: score(list(j["clients"].values()), args.tolerance) for t, j in judge.items()}
         payload["settings"][setting] = {"rounds": rounds, "clients": by_round, "judged": verdicts}
-        size = {"study": study_records(out)} | {t: j["records"] for t, j in judged(out).items()}
         for t in sorted(set(rounds) | set(verdicts)):
-            for source, s in (("study", rounds.get(t)), ("judge", verdicts.get(t))):
-                if s is not None:
-                    records = size["study" if source == "study" else t]
-                    table.append(_row(setting, t, f"{source} ({records})", s, args.tolerance))
+            if t in rounds:
+                table.append(_row(setting, t, f"study ({study_records(out)})", rounds[t]))
+            if t in verdicts:
+                table.append(_row(setting, t, f"judge ({judge[t]['records']})", verdicts[t]))
     header = [
         "setting", "round", "scored by (eval records a client)", "clients deploying", "deployed NLL",
         "latest personalized", "global", "base model", f"within {args.tolerance} of min(latest, global)",
@@ -123,17 +123,18 @@ def report(args: argparse.Namespace) -> None:
 
 
 def study_records(out: Path) -> int | str:
+    """How many eval records a client the study's own evaluation scores."""
     config = out / "config.json"
     return json.loads(config.read_text())["eval_examples"] if config.is_file() else "?"
 
 
-def _row(setting: str, t: int, records, s: dict, tolerance: float) -> list[str]:
+def _row(setting: str, t: int, scored_by: str, s: dict) -> list[str]:
     passes = s["share_within"] >= SHARE_TARGET and s["worse_than_base"] == 0
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(s["kinds"].items()))
     beyond_se = "-" if s["worse_than_base_beyond_2se"] is None else s["worse_than_base_beyond_2se"]
     over_base = f"{s['worse_than_base']} ({s['worse_than_base_beyond_tolerance']}; {beyond_se})"
     return [
-        setting, str(t), str(records), str(s["clients"]), f"{s['deployed']:.4f}", f"{s['latest']:.4f}",
+        setting, str(t), scored_by, str(s["clients"]), f"{s['deployed']:.4f}", f"{s['latest']:.4f}",
         f"{s['global']:.4f}", f"{s['base']:.4f}", f"{s['within']}/{s['clients']} ({s['share_within']:.0%})",
         "-" if s["within_of_held"] is None else f"{s['within_of_held']}/{s['clients']}", f"{s['worst_gap']:+.4f}",
         f"{over_base}, worst {s['worst_vs_base']:+.4f}",
