@@ -75,17 +75,19 @@ def judge_round(out: Path, records: int, device: str = "cpu") -> Path | None:
     with progress_bar() as bar:  # minutes on SmolLM2: two messengers a client, two more per eval set
         task = bar.add_task(f"judge round {done - 1}", total=len(states), metrics="")
         for cid, state in states.items():
-            held = v if state.round + 1 == done else Bundle.load(study.run.bundle(cfg.profile, state.round))
-            held = held if held is v else held.messenger_lora()
+            stale = state.round + 1 < done  # not sampled since: it chose against an older global messenger
+            held = Bundle.load(study.run.bundle(cfg.profile, state.round)).messenger_lora() if stale else None
             clients[cid] = _judge(edge, (v, held), study.eval_data(cid), state, records, shared)
             bar.update(task, advance=1, metrics=cid)
     write_json(path, {"round": done - 1, "records": records, "clients": clients})
     return path
 
 
-def _judge(edge, globals_: tuple[dict, dict], eval_data: Path, state: ClientState, records: int, shared: dict) -> dict:
+def _judge(
+    edge, globals_: tuple[dict, dict | None], eval_data: Path, state: ClientState, records: int, shared: dict
+) -> dict:
     """One client's four messengers on its eval records (the global's and the base's shared by its data);
-    ``globals_``: the newest global messenger and the one the client's last round trained from."""
+    ``globals_``: the newest global messenger and, for a stale client, the one its last round trained from."""
     v, held = globals_
     digest = hashlib.sha256(eval_data.read_bytes()).hexdigest()
     if digest not in shared:
@@ -95,7 +97,7 @@ def _judge(edge, globals_: tuple[dict, dict], eval_data: Path, state: ClientStat
     batches, glob, base = shared[digest]
     deployed, latest = _score(edge, state.best, batches), _score(edge, state.personalized, batches)
     better = min((latest, glob), key=_nll)
-    known = min((latest, glob if held is v else _score(edge, held, batches)), key=_nll)
+    known = min((latest, glob if held is None else _score(edge, held, batches)), key=_nll)
     return {
         "deployed": state.best_info["messenger"],
         "alpha": state.best_info.get("alpha"),
