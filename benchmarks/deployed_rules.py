@@ -14,6 +14,7 @@ and not worse than the base model.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -32,12 +33,11 @@ from ciders_edge.profiles import load_profile  # noqa: E402
 from ciders_edge.progress import progress_bar  # noqa: E402
 from ciders_edge.training.round import round_hyperparams  # noqa: E402
 from ciders_edge.training.validation import (  # noqa: E402
-    MIX_ALPHAS,
     SE_MARGIN,
     Choice,
     deployable,
     messenger_scores,
-    mix,
+    rivals_of,
     validate,
 )
 
@@ -45,12 +45,10 @@ MARGINS = (0.0, 0.5, SE_MARGIN, 1.5, 2.0)
 
 
 @torch.no_grad()
-def client_candidates(edge, slice_records, judge_records, x: dict, v: dict, t: int) -> list[dict]:
-    """Every candidate's slice scores (as the device computes them) and its NLL on the judge's records."""
+def client_candidates(edge, slice_records, batches: list, x: dict, v: dict, t: int) -> list[dict]:
+    """Every candidate's slice scores (as the device computes them) and its NLL on the judge's ``batches``."""
     validation = validate(edge, slice_records, v, x, None, (t, t))
-    tensors = {"personalized": x, "global": v, "base": {k: torch.zeros_like(a) for k, a in v.items()}}
-    tensors |= {f"mix_{a:g}": mix(x, v, a) for a in MIX_ALPHAS}
-    batches = backbone_batches(edge, judge_records)
+    tensors = {choice.name: tensor for choice, tensor in rivals_of(x, v, (t, t))}
     out = []
     for choice in validation.scores:
         edge.use_messenger(tensors[choice.name])
@@ -66,14 +64,18 @@ def study_candidates(study_dir: Path, judge_records: int) -> dict[str, list[dict
     edge = load_adapfu(bundle)
     seq_len = round_hyperparams(bundle, load_profile(cfg.profile), {}).seq_len
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
-    states, out = client_states(study), {}
+    states, out, judged = client_states(study), {}, {}  # judged: the backbone pass of each eval file, once
     with progress_bar() as bar:
         task = bar.add_task("candidates", total=len(states), metrics="")
         for cid, state in states.items():
             _, slice_records = hold_out(load_examples(study.train_data(cid), edge.tokenizer, seq_len), cfg.val_fraction)
-            judge = load_examples(study.eval_data(cid), edge.tokenizer, 512)[:judge_records]
+            digest = hashlib.sha256(study.eval_data(cid).read_bytes()).hexdigest()
+            if digest not in judged:
+                judged[digest] = backbone_batches(
+                    edge, load_examples(study.eval_data(cid), edge.tokenizer, 512)[:judge_records]
+                )
             x = {k: t.float() for k, t in state.personalized.items()}
-            out[cid] = client_candidates(edge, slice_records, judge, x, v, done)
+            out[cid] = client_candidates(edge, slice_records, judged[digest], x, v, done)
             bar.update(task, advance=1, metrics=cid)
     return out
 

@@ -36,6 +36,7 @@ __all__ = [
     "mix",
     "messenger_scores",
     "paired_se",
+    "rivals_of",
     "validate",
 ]
 
@@ -154,6 +155,18 @@ def deployable(choices: list[Choice], margin: float = SE_MARGIN) -> int:
     return min(range(len(choices)), key=lambda i: choices[i].nll + margin * choices[i].se)
 
 
+def rivals_of(x: Tensors, v: Tensors, rounds: tuple[int, int]) -> list[tuple[Choice, Tensors]]:
+    """This round's candidates and their tensors, personalized first: on a tie the first wins (this round's
+    over a kept one, the federation's over the base). ``rounds``: (the bundle's round, the state's)."""
+    bundle_round, trained_round = rounds
+    return [
+        (Choice("personalized", trained_round), x),
+        (Choice("global", bundle_round), v),
+        *((Choice("mix", trained_round, a), mix(x, v, a)) for a in MIX_ALPHAS),
+        (Choice("base", -1), {k: torch.zeros_like(t) for k, t in v.items()}),
+    ]
+
+
 def validate(
     edge: EdgeModel,
     val: list[Example],
@@ -168,12 +181,7 @@ def validate(
     ``v``: the bundle's global messenger; ``x``: this round's personalized one; ``kept``: the state's best
     so far and its :class:`Choice` fields; ``rounds``: (the bundle's round, the state's)."""
     bundle_round, trained_round = rounds
-    candidates = [  # on a tie the first wins: this round's over the kept one, the federation's over the base
-        (Choice("personalized", trained_round), x),
-        (Choice("global", bundle_round), v),
-        *((Choice("mix", trained_round, a), mix(x, v, a)) for a in MIX_ALPHAS),
-        (Choice("base", -1), {k: torch.zeros_like(t) for k, t in v.items()}),
-    ]
+    candidates = rivals_of(x, v, rounds)
     if kept is not None:
         info = {k: kept[1][k] for k in ("messenger", "round", "alpha")}
         candidates.append((Choice(**info), kept[0]))
