@@ -97,3 +97,30 @@ def test_each_margin_is_held_to_the_targets_by_the_judges_scores():
     assert [rows[m]["within"] for m in rows] == [0, 1, 0]
     assert rows[0.0]["worse_than_base"] == 1 and rows[1.0]["worse_than_base"] == 0
     assert rows[0.0]["mean_gap"] == pytest.approx(0.03)
+
+
+def test_a_re_choice_rule_measures_each_rivals_gap_against_its_reference():
+    """A stale client whose kept best (a mix) trails the newest global by 0.1 on two records, record by record
+    alike (a tiny standard error): every rule with the kept best as reference switches to the global; keeping the
+    choice as it is (no re-choice) stays 0.1 behind on the judge's records."""
+    import deployed_rechoice
+
+    def cand(name, records, judge):
+        return {"name": name, "slice": sum(records) / 4, "nll": records, "tokens": [2.0, 2.0], "judge": judge}
+
+    client = {
+        "stale_rounds": 5,
+        "kept": "mix",
+        "candidates": [
+            cand("kept", [1.2, 1.2], 2.1),
+            cand("personalized", [1.4, 1.0], 2.2),  # as good as the kept one on the slice, but noisy
+            cand("global", [0.8, 0.8], 2.0),
+            cand("base", [1.6, 1.6], 2.3),
+        ],
+    }
+    keep = deployed_rechoice.judge_rule({"c": client}, None, 0.0, 0.01)
+    assert keep["picks"] == ["kept"] and keep["within"] == 0 and keep["worst_gap"] == pytest.approx(0.1)
+    device = deployed_rechoice.judge_rule({"c": client}, "kept", 1.0, 0.01)
+    assert device["picks"] == ["global"] and (device["within"], device["stale_within"], device["stale"]) == (1, 1, 1)
+    by_personalized = deployed_rechoice.pick(client["candidates"], "personalized", 1.0)
+    assert by_personalized["name"] == "global"  # its noisy gap to the global still beats one standard error

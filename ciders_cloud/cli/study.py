@@ -53,6 +53,15 @@ def simulate(
             help="Each client holds out this share of its records to choose its deployed messenger (0: none)."
         ),
     ] = None,
+    rechoose: Annotated[
+        bool | None,
+        typer.Option(
+            "--rechoose/--no-rechoose",
+            help="Each new bundle, clients that hold a choice choose their deployed messenger again "
+            "(`ciders-edge validate`; needs --val-fraction).",
+            show_default=False,
+        ),
+    ] = None,
     public_data: Annotated[
         str | None, typer.Option(help="Public JSONL for TAKD (default: a sample of client data).")
     ] = None,
@@ -131,6 +140,7 @@ def simulate(
             "eval_generate": eval_generate,
             "max_records": max_records,
             "val_fraction": val_fraction,
+            "rechoose": rechoose,
             "public_data": public_data,
             "profile": profile,
             "profile_mix": profile_mix,

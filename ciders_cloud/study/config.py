@@ -86,6 +86,9 @@ class SimConfig(StrategyTables, ConfigMixin):
     # of each client's training records held out to choose the messenger it deploys, as `train --val-fraction`
     # (0: none, every record trains and the device deploys its latest messenger: the studies published so far)
     val_fraction: float = 0.0
+    # clients not training choose their deployed messenger again on each new bundle (`ciders-edge validate`):
+    # a pass over the validation slice of every client that holds a choice, each round
+    rechoose: bool = False
     gamma_schedule: str = "constant"
     hyperparameters: dict = field(default_factory=dict)  # RoundHyperparams overrides
     takd: dict = field(default_factory=dict)  # TakdConfig overrides
@@ -98,6 +101,8 @@ class SimConfig(StrategyTables, ConfigMixin):
         if not 0.0 < self.participation <= 1.0:
             raise ConfigError(f"`participation` must be in (0, 1], got {self.participation}")
         check_val_fraction(self.val_fraction)
+        if self.rechoose and not self.val_fraction:
+            raise ConfigError("`rechoose` needs `val_fraction`: a client chooses again on its validation slice")
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"`holdout` must be in (0, 1), got {self.holdout}")
         if self.eval_data and (self.partition != "per-file" or len(self.eval_data) != len(self.data)):

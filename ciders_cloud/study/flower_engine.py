@@ -44,11 +44,12 @@ class GridEngine:
         self.node_of = _nodes_by_partition(grid, len(ids))
 
     def run(self, t: int, jobs: list[StudyJob], labels: dict[str, str]) -> dict[str, Trained]:
-        what = "probe" if jobs and jobs[0].probe else "train"
+        what = "probe" if jobs and jobs[0].probe else "re-choose" if jobs and jobs[0].rechoose else "train"
+        kind = MessageType.EVALUATE if what == "re-choose" else MessageType.TRAIN  # Flower's federated evaluation
         by_id = {}
         for job in jobs:
             job = replace(job, partition=self.partition[job.client_id])
-            msg = Message(job.to_record(), self.node_of[job.partition], MessageType.TRAIN, group_id=str(t))
+            msg = Message(job.to_record(), self.node_of[job.partition], kind, group_id=str(t))
             (mid,) = self.grid.push_messages([msg])
             by_id[mid] = job.client_id
         out: dict[str, Trained] = {}

@@ -28,6 +28,7 @@ from ciders_cloud.study.snapshots import keep_state, round_committed
 from ciders_edge.fleet.virtual import StudyJob
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.bundle import Bundle
+from ciders_edge.formats.client_state import holds_choice
 from ciders_edge.hyperparams import RoundHyperparams
 
 __all__ = ["run_rounds", "evaluated_after"]
@@ -92,6 +93,8 @@ def run_rounds(
         records.append(_round_record(cfg, t, wall, participants, hp, agg, probed, per_client))
         down = {p: agg["bytes_down"][p] for p in profiles.groups}  # what each client fetches for the next round
         append_jsonl(study.metrics, profiles.tag(records))  # before the evaluation's minutes
+        if cfg.rechoose:
+            append_jsonl(study.metrics, profiles.tag(_rechoose(study, t, ids, profiles, cfg, engine)))
         if evaluated_after(cfg, t):
             last_eval = evaluate_groups(t + 1, profiles.groups, scoring)
             append_jsonl(study.metrics, profiles.tag(last_eval["records"]))
@@ -143,6 +146,29 @@ def _probe(
     jobs = [_job(study, t, cid, profiles, cfg, packet=p, probe=True) for cid, p in zip(ids, paths, strict=True)]
     engine.run(t, jobs, dict.fromkeys(ids, "probe"))
     return aggregate_probes(study.run.root, [(str(p), p.read_bytes()) for p in paths], device)
+
+
+def _rechoose(
+    study: StudyFolder, t: int, ids: list[str], profiles: StudyProfiles, cfg: SimConfig, engine: Engine
+) -> list[dict]:
+    """Every client that holds a deployed choice chooses again on round ``t + 1``'s bundle, as a device does
+    when a bundle arrives (``ciders-edge validate``); those sampled next validate again when they train."""
+    jobs = [
+        _job(study, t + 1, cid, profiles, cfg, rechoose=True) for cid in ids if holds_choice(study.client_state(cid))
+    ]
+    outputs = engine.run(t + 1, jobs, {job.client_id: "re-choose" for job in jobs})
+    return [
+        {
+            "type": "rechoice",
+            "round": t,
+            "client": cid,
+            "bundle_round": t + 1,
+            "deployed": outputs[cid].summary["deployed"],
+            "deployed_nll": outputs[cid].summary["deployed_nll"],
+            "kept_nll": outputs[cid].summary["val_nll_kept"],
+        }
+        for cid in (job.client_id for job in jobs)  # in the clients' order, whichever reply came first
+    ]
 
 
 def _client_record(

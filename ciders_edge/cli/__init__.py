@@ -1,7 +1,7 @@
 """``ciders-edge``: the on-device runtime's commands.
 
 One module per group: :mod:`~ciders_edge.cli.device` (profiles, verify), :mod:`~ciders_edge.cli.rounds`
-(train, keygen, join) and :mod:`~ciders_edge.cli.inference` (infer, evaluate). Other packages add
+(train, validate, keygen, join) and :mod:`~ciders_edge.cli.inference` (infer, evaluate). Other packages add
 commands through the ``ciders_edge.commands`` entry-point group (``export`` adds export and bench).
 """
 
@@ -33,6 +33,7 @@ COMMANDS = (  # in the order `--help` lists them
     device.profiles,
     device.verify,
     rounds.train,
+    rounds.validate,
     inference.infer,
     inference.evaluate,
     rounds.keygen,

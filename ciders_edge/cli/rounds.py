@@ -1,4 +1,4 @@
-"""``ciders-edge train``, ``keygen`` and ``join``: take part in rounds, by files or over the network."""
+"""``ciders-edge train``, ``validate``, ``keygen`` and ``join``: take part in rounds, by files or over the network."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ciders_edge.cli_utils import FrozenOpt, JsonOpt, run_command
 from ciders_edge.formats.packet import read_key_file
 from ciders_edge.progress import LazyBar, console
 
-__all__ = ["train", "keygen", "join"]
+__all__ = ["train", "validate", "keygen", "join"]
 
 CodecOpt = Annotated[str, typer.Option(help="Packet codec: fp32 (lossless), bf16 or int8.")]
 KeyFileOpt = Annotated[Path | None, typer.Option(help="Client key: packets get an HMAC tag.")]
@@ -109,6 +109,36 @@ def train(
                 highlight=False,
                 soft_wrap=True,
             )
+
+    run_command(body, as_json, render)
+
+
+def validate(
+    bundle: Annotated[Path, typer.Option(help="A bundle newer than the state's last round.")],
+    data: Annotated[Path, typer.Option(help="This device's private JSONL data (its held-out slice is scored).")],
+    state: Annotated[Path, typer.Option(help="Client state folder of a device that has trained.")],
+    profile: Annotated[str | None, typer.Option(help="Device profile name, `auto`, or a .toml path.")] = None,
+    frozen_weights: FrozenOpt = None,
+    val_fraction: ValFractionOpt = 0.1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Choose the deployed messenger again on a newer bundle, without training (a round this device was not
+    sampled for): the kept best against the new global messenger, the latest personalized one and their mixtures."""
+
+    def body() -> dict:
+        from ciders_edge.training.rechoice import choose_again  # torch, transformers: when scoring
+
+        return choose_again(bundle, data, state, profile, val_fraction, frozen_weights)
+
+    def render(s: dict) -> None:
+        others = ", ".join(f"{k[8:]} {v:.4f}" for k, v in s.items() if k.startswith("val_nll_"))
+        console.print(
+            f"[green]✓[/] round {s['round']} client {s['client_id']} (last trained round {s['trained_round']}): "
+            f"deploys {s['deployed']}: NLL {s['deployed_nll']:.4f} on {s['val_records']} held-out records "
+            f"({others}) in {s['val_seconds']:.0f} s",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     run_command(body, as_json, render)
 

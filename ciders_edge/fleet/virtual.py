@@ -5,7 +5,8 @@ its own process, or as Flower messages to :data:`app` on virtual SuperNodes of F
 Engine (``--engine flower``), whose Ray actors may sit on other machines that mount the study. A
 :class:`StudyJob` names the files (bundle, data, state folder, packet) and the round's options;
 :func:`run_job` trains through :func:`ciders_edge.training.train.train`, as ``ciders-edge train`` and
-the fleet's edge do, or probes (a strategy's first exchange), and returns what the cloud's diagnostics read.
+the fleet's edge do, or probes (a strategy's first exchange), or chooses the deployed messenger again on a
+newer bundle (``ciders-edge validate``, Flower's evaluate messages), and returns what the cloud reads.
 
 :data:`app` is a ClientApp of its own, not the fleet's (:mod:`.client_app`): a job names paths to read
 and write, which a real edge must never take from the network.
@@ -23,6 +24,7 @@ from safetensors.torch import load, load_file, save
 from ciders_edge.errors import ConfigError
 from ciders_edge.fleet.protocol import bytes_record, record_bytes
 from ciders_edge.tensors import Tensors
+from ciders_edge.training.rechoice import choose_again
 from ciders_edge.training.train import RoundOptions, probe, train
 
 __all__ = ["StudyJob", "Trained", "run_job", "app", "JOB", "TRAINED", "TENSORS", "PARTITION"]
@@ -48,6 +50,7 @@ class StudyJob:
     val_fraction: float = 0.1
     probe_answer: str | None = None  # the cloud's answer to the round's probes (the svrg direction's h), a file
     probe: bool = False  # a strategy's first exchange: gradients at the bundle's point, the state unchanged
+    rechoose: bool = False  # no training: choose the deployed messenger again on a newer bundle (`validate`)
     partition: int | None = None  # the virtual SuperNode it is meant for (Flower's partition id)
 
     def to_record(self) -> RecordDict:
@@ -78,7 +81,9 @@ class Trained:
 
 
 def run_job(job: StudyJob) -> Trained:
-    """Train (or probe) one client's round on the study's files."""
+    """Train (or probe, or choose again) one client's round on the study's files."""
+    if job.rechoose:
+        return Trained(choose_again(job.bundle, job.data, job.state, job.profile, job.val_fraction, job.frozen_weights))
     if job.probe:
         summary = probe(
             job.bundle, job.data, job.state, job.packet,
@@ -116,6 +121,16 @@ def partition(msg: Message, context: Context) -> Message:
 @app.train()
 def study_round(msg: Message, context: Context) -> Message:
     """One client's round of the study, on the files its folder shares."""
+    return _run_here(msg, context)
+
+
+@app.evaluate()
+def study_rechoice(msg: Message, context: Context) -> Message:
+    """Federated evaluation: a client not training chooses its deployed messenger again on the newer bundle."""
+    return _run_here(msg, context)
+
+
+def _run_here(msg: Message, context: Context) -> Message:
     job = StudyJob.from_record(msg.content)
     if job.partition != int(context.node_config["partition-id"]):
         raise ConfigError(f"{job.client_id}'s round reached partition {context.node_config['partition-id']}")

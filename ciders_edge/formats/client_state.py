@@ -17,7 +17,7 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.statedir import INT, OBJECT, STR, Field, list_of, load_state_dir, optional, save_state_dir
 from ciders_edge.tensors import Tensors
 
-__all__ = ["ClientState", "METRICS_LOG", "BEST_FILE"]
+__all__ = ["ClientState", "METRICS_LOG", "BEST_FILE", "holds_choice"]
 
 CURRENT = "current"
 CONSENSUS = "consensus.safetensors"  # c_i
@@ -135,3 +135,8 @@ class ClientState:
             meta.get("validation", {}),
             meta.get("round_log", []),
         )
+
+
+def holds_choice(path: str | Path) -> bool:
+    """Whether the state folder ``path`` holds a deployed choice (it validated), without loading its tensors."""
+    return (Path(path) / CURRENT / BEST_FILE).is_file()

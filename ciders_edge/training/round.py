@@ -54,6 +54,8 @@ __all__ = [
     "check_state",
     "round_hyperparams",
     "EMULATORS",
+    "deployed_backbone",
+    "deploys_full",
 ]
 
 EMULATORS = EmulatorCache()  # the AdapEmu a study's jobs share (RoundOptions.reuse_model)
@@ -199,13 +201,12 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
     seconds = {"train_seconds": round(trained - started, 3)}  # what validation costs, beside it
     validation = None
     if val:
-        if b.manifest.get("deploy_backbone", "emu") == "full":
-            prof, quantized = load_profile(options.profile) if options.profile else None, is_quantized(edge.model)
+        if deploys_full(b):
+            quantized = is_quantized(edge.model)
             del edge  # the AdapEmu's memory before AdapFu's
             EMULATORS.clear()
             gc.collect()
-            edge = load_backbone(b, "full", prof.torch_dtype if prof else None, quantized=quantized)
-            edge.model.to(pick_device(prof))
+            edge = deployed_backbone(b, options.profile, quantized)
         validation = _validate(edge, val, state, output)
         seconds["val_seconds"] = round(time.perf_counter() - trained, 3)
     rfd = [m["r_fd"] for m in output.result.steps if "r_fd" in m]
@@ -229,6 +230,21 @@ def train_round(b: Bundle, data: str | Path, state: ClientState | None, options:
         **seconds,
     }
     return output
+
+
+def deploys_full(b: Bundle) -> bool:
+    """Whether the device deploys AdapFu (the full backbone) rather than the AdapEmu it trains on."""
+    return b.manifest.get("deploy_backbone", "emu") == "full"
+
+
+def deployed_backbone(b: Bundle, profile: str | None, quantized: bool) -> EdgeModel:
+    """The backbone the device deploys, on the profile's device and dtype: the messengers are chosen on it."""
+    prof = load_profile(profile) if profile else None
+    edge = load_backbone(
+        b, "full" if deploys_full(b) else "emu", prof.torch_dtype if prof else None, quantized=quantized
+    )
+    edge.model.to(pick_device(prof))
+    return edge
 
 
 def _validate(edge: EdgeModel, val: list[Example], before: ClientState | None, output: RoundOutput) -> Validation:

@@ -36,6 +36,7 @@ __all__ = [
     "mix",
     "messenger_scores",
     "paired_se",
+    "rechoose",
     "rivals_of",
     "validate",
 ]
@@ -136,6 +137,7 @@ class Validation:
     scores: list[Choice]
     best: Choice
     best_tensors: Tensors
+    kept: Choice | None = None  # the state's best from before, scored again beside them
 
     def summary(self) -> dict:
         """Flat numbers for ``train --json`` and the fleet's round report (no records, no text of them)."""
@@ -146,6 +148,8 @@ class Validation:
                 out[f"val_se_{c.name}"] = c.se
             if c.exact_match is not None:
                 out[f"val_em_{c.name}"] = c.exact_match
+        if self.kept is not None:
+            out["val_nll_kept"] = self.kept.nll
         return {**out, "deployed": self.best.label(), "deployed_nll": self.best.nll}
 
 
@@ -180,11 +184,38 @@ def validate(
 
     ``v``: the bundle's global messenger; ``x``: this round's personalized one; ``kept``: the state's best
     so far and its :class:`Choice` fields; ``rounds``: (the bundle's round, the state's)."""
-    bundle_round, trained_round = rounds
-    candidates = rivals_of(x, v, rounds)
-    if kept is not None:
-        info = {k: kept[1][k] for k in ("messenger", "round", "alpha")}
-        candidates.append((Choice(**info), kept[0]))
+    return _choose(edge, val, rivals_of(x, v, rounds), _kept(kept) if kept else None, rounds[0])
+
+
+def rechoose(
+    edge: EdgeModel, val: list[Example], v: Tensors, x: Tensors, kept: tuple[Tensors, dict], rounds: tuple[int, int]
+) -> Validation:
+    """Choose again on a newer bundle, without training: a device not sampled for rounds chose against
+    an older global messenger, and the federation has moved on (issue 58's study: such clients held
+    messengers 0.05 nats worse than the newest global). The kept best comes first, the messenger a rival
+    must beat by a standard error; then the newer global, the latest personalized messenger ``x``, their
+    mixtures and the base model. Arguments as :func:`validate`'s; ``rounds[1]``: the round ``x`` trained."""
+    return _choose(edge, val, rivals_of(x, v, rounds), _kept(kept), rounds[0], kept_first=True)
+
+
+def _kept(kept: tuple[Tensors, dict]) -> tuple[Choice, Tensors]:
+    tensors, info = kept
+    return Choice(**{k: info[k] for k in ("messenger", "round", "alpha")}), tensors
+
+
+def _choose(
+    edge: EdgeModel,
+    val: list[Example],
+    rivals: list[tuple[Choice, Tensors]],
+    kept: tuple[Choice, Tensors] | None,
+    bundle_round: int,
+    kept_first: bool = False,
+) -> Validation:
+    """Score the candidates on the slice, each gap's standard error against the first (``rivals[0]``, or
+    the kept best when ``kept_first``), and keep :func:`deployable`'s pick."""
+    candidates = rivals + ([kept] if kept else [])
+    if kept_first:
+        candidates = [kept, *rivals]
     batches = backbone_batches(edge, val)
     scores = []
     for choice, tensors in candidates:
@@ -193,6 +224,11 @@ def validate(
         choice.nll, choice.exact_match, choice.scored_round = scores[-1].nll, scores[-1].exact_match, bundle_round
         choice.se = paired_se(scores[0], scores[-1]) if len(scores) > 1 else 0.0
     best, tensors = candidates[deployable([c for c, _ in candidates])]
-    short = scores[0].short
-    rivals = [c for c, _ in candidates[: len(candidates) - (kept is not None)]]
-    return Validation(len(val), short, rivals, best, {k: t.detach().clone() for k, t in tensors.items()})
+    return Validation(
+        len(val),
+        scores[0].short,
+        [c for c, _ in rivals],
+        best,
+        {k: t.detach().clone() for k, t in tensors.items()},
+        kept[0] if kept else None,
+    )

@@ -141,7 +141,11 @@ def test_a_saved_run_json_of_wrong_types_is_a_config_error(tmp_path):
 
 @pytest.mark.parametrize(
     ("command", "text"),
-    [("simulate", "rounds = 1.5\n"), ("simulate", 'data = "f"\n'), ("prepare", 'layer_steps = "5"\n')],
+    [
+        ("simulate", "rounds = 1.5\n"),
+        ("simulate", 'data = "f"\n'),
+        ("prepare", 'layer_steps = "5"\n'),
+    ],
 )
 def test_a_bad_config_fails_in_one_line_and_writes_no_out(demo_dir, tmp_path, command, text):
     data = f'data = ["{demo_dir / "units" / "train.jsonl"}"]\n' if "data" not in text else ""
@@ -234,3 +238,11 @@ def test_a_config_made_in_code_checks_its_choices_once_for_all(make, message):
     with pytest.raises(ConfigError) as err:
         make()
     assert message in str(err.value)
+
+
+def test_simulate_rechoose_without_a_validation_slice_is_one_line(demo_dir, tmp_path):
+    args = ["simulate", "--model", "tiny", "--data", str(demo_dir / "units" / "train.jsonl"), "--rechoose"]
+    r = runner.invoke(cloud, [*args, "--out", str(tmp_path / "out")])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.stderr.strip() == "error: `rechoose` needs `val_fraction`: a client chooses again on its validation slice"
+    assert not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ from ciders_cloud.study.resume import resume
 from ciders_cloud.study.simulate import simulate
 from ciders_edge.errors import ConfigError
 from ciders_edge.fleet.virtual import StudyJob, Trained
+from ciders_edge.formats.client_state import ClientState
 
 runner = CliRunner()
 
@@ -25,9 +26,12 @@ def _metrics(out) -> list[dict]:
 
 
 def test_the_flower_engine_runs_the_in_process_study_to_the_bit(demo_dir, tmp_path, one_thread):
-    """Three rounds, a third of the clients left out each round, DP noise from the study's seed; the Flower
-    study runs two rounds, then ``--resume`` takes it to three on the Flower engine again."""
-    cfg = fast_study(demo_dir, eval_generate=0, participation=0.67, dp={"clip": 1.0, "noise_multiplier": 1.0})
+    """Three rounds, a third of the clients left out each round, DP noise from the study's seed, clients
+    choosing their deployed messenger again on each bundle (Flower's evaluate messages); the Flower study runs
+    two rounds, then ``--resume`` takes it to three on the Flower engine again."""
+    dp = {"clip": 1.0, "noise_multiplier": 1.0}
+    cfg = fast_study(demo_dir, eval_generate=0, participation=0.67, dp=dp, max_records=20, val_fraction=0.1)
+    cfg = cfg.replace(rechoose=True)
     simulate(cfg, tmp_path / "in-process")
     flower = EngineSettings("flower", actors=2)
     simulate(cfg.replace(rounds=2), tmp_path / "flower", engine=flower)
@@ -37,6 +41,12 @@ def test_the_flower_engine_runs_the_in_process_study_to_the_bit(demo_dir, tmp_pa
     assert moved(got, want) is None
     assert sum(r["type"] == "client" for r in got) == 6 and any("privacy" in r for r in got)  # 2 of 3 a round, DP
     assert state_bytes(tmp_path / "flower" / "run") == state_bytes(tmp_path / "in-process" / "run")
+    rechosen = [r for r in got if r["type"] == "rechoice"]
+    assert {r["bundle_round"] for r in rechosen} == {1, 2, 3} and len(rechosen) >= 7  # 2, then 2 or 3, then 3
+    for cid in ("client-00", "client-01", "client-02"):
+        a, b = (ClientState.load(tmp_path / e / "clients" / cid) for e in ("flower", "in-process"))
+        assert a.best_info == b.best_info and a.best_info["scored_round"] == 3  # the last bundle's, trained or not
+        assert all(torch.equal(a.best[k], b.best[k]) for k in b.best)
 
 
 def test_a_job_and_its_result_cross_the_wire_unchanged():

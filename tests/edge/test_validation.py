@@ -261,3 +261,90 @@ def test_the_choice_names_the_rivals_it_beat_not_itself():
         "in round 0: NLL 0.0400, against personalized 0.0552, global 0.4429, "
         "ahead of the personalized one by more than its standard error 0.0061"
     )
+
+
+@pytest.fixture(scope="module")
+def newer(mixed, tmp_path_factory):
+    """The ``mixed`` state (trained in round 0) beside round 1's bundle of a copy of its run, which the
+    state's own packet made: the device was not sampled for round 1 and re-chooses on its bundle."""
+    import shutil
+
+    from ciders_cloud.round.aggregate import aggregate_files
+
+    bundle, state_dir, _ = mixed
+    root = tmp_path_factory.mktemp("rechoice")
+    run = root / "run"
+    shutil.copytree(bundle.parents[2], run)
+    shutil.copytree(state_dir, root / "s")
+    aggregate_files(run, [state_dir.parent / "p.pkt"])
+    return run / "bundles" / "cpu-laptop" / "round-0001", root / "s"
+
+
+def _validate_cmd(bundle, state_dir, data, *extra):
+    args = ["validate", "--bundle", bundle, "--data", data, "--state", state_dir, *extra]
+    return runner.invoke(edge_app, [*map(str, args), "--json"])
+
+
+def test_validate_chooses_again_on_a_newer_bundle_and_keeps_the_training(newer, demo_dir):
+    bundle, state_dir = newer
+    before = ClientState.load(state_dir)
+    out = _validate_cmd(bundle, state_dir, demo_dir / "units" / "train.jsonl")
+    assert out.exit_code == 0, out.output
+    s = json.loads(out.output.strip().splitlines()[-1])
+    assert (s["round"], s["trained_round"], s["val_records"]) == (1, 0, 8)
+    nll = {k[8:]: v for k, v in s.items() if k.startswith("val_nll_")}
+    assert set(nll) == {"kept", "base", "global", "personalized", "mix_0.25", "mix_0.5", "mix_0.75"}
+    assert nll["kept"] == pytest.approx(before.best_info["nll"], abs=1e-9)  # the same messenger on the same slice
+    se = {k: s.get(f"val_se_{k}", 0.0) for k in nll}  # against the kept best, the reference (its own: 0)
+    best = min(nll, key=lambda k: nll[k] + se[k])
+    after = ClientState.load(state_dir)
+    assert s["deployed_nll"] == nll[best] == after.best_info["nll"] and after.best_info["scored_round"] == 1
+    if best == "global":
+        assert after.best_info["round"] == 1
+    assert (after.round, after.counters) == (before.round, before.counters)  # no round trained
+    assert all(torch.equal(after.c_i[k], before.c_i[k]) for k in before.c_i)
+    assert all(torch.equal(after.personalized[k], before.personalized[k]) for k in before.personalized)
+
+
+def test_the_kept_best_is_the_reference_a_rival_must_beat(newer, demo_dir):
+    from ciders_edge.data.records import load_examples
+    from ciders_edge.training.round import deployed_backbone
+    from ciders_edge.training.validation import rechoose
+
+    bundle, state_dir = newer
+    b, state = Bundle.load(bundle), ClientState.load(state_dir)
+    edge = deployed_backbone(b, None, False)
+    val = hold_out(load_examples(demo_dir / "units" / "train.jsonl", edge.tokenizer, 128), 0.1)[1]
+    v = {k: t.float() for k, t in b.messenger_lora().items()}
+    kept = (v, {"messenger": "global", "round": 1, "alpha": None})  # the device kept the newest global
+    result = rechoose(edge, val, v, state.personalized, kept, (1, 0))
+    se = {c.name: c.se for c in result.scores}
+    assert result.kept.se == 0 and se["global"] == 0  # the kept best is the reference: itself, no noise
+    assert se["personalized"] > 0  # the personalized messenger's gap has a standard error against it
+    choices = [result.kept, *result.scores]
+    assert result.best.nll == choices[deployable(choices)].nll
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("no state", "no client state; a device that never trained deploys the bundle's global"),
+        ("same round", "bundle round 0 is not newer than the round this state trained (0)"),
+        ("few records", "no validation slice to choose on"),
+    ],
+)
+def test_validate_refuses_in_one_line_and_leaves_the_state(newer, mixed, demo_dir, tmp_path, case, message):
+    bundle, state_dir = newer
+    data = demo_dir / "units" / "train.jsonl"
+    if case == "no state":
+        state_dir = tmp_path / "none"
+    elif case == "same round":
+        bundle = mixed[0]
+    else:
+        data = tmp_path / "few.jsonl"
+        data.write_text("".join((demo_dir / "units" / "train.jsonl").read_text().splitlines(True)[:12]))
+    before = (state_dir / "current" / "state.json").read_bytes() if state_dir.exists() else None
+    out = _validate_cmd(bundle, state_dir, data)
+    assert out.exit_code == 1 and message in out.output and "Traceback" not in out.output
+    after = (state_dir / "current" / "state.json").read_bytes() if (state_dir / "current").exists() else None
+    assert after == before

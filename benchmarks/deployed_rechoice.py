@@ -1,0 +1,180 @@
+"""Should a device that was not sampled choose again when a newer bundle arrives? Issue 58's re-choice, judged.
+
+    python benchmarks/deployed_rechoice.py --study runs/deployed-choice/partial/ciders-fo
+
+Under partial participation a client trains once in several rounds, and its deployed messenger was chosen
+against the global messenger of the bundle it last trained from. After the study's last round every client
+that holds a choice scores, on its validation slice and AdapFu, what ``ciders-edge validate`` scores: its kept
+best, the newest global messenger, its latest personalized one, their mixtures and the base model. Each rule
+(which candidate is the reference a rival must beat by ``margin`` paired standard errors; :func:`~ciders_edge.
+training.validation.rechoose` takes the kept best) is judged on ``--judge-records`` held-out records against
+issue 58's targets: within ``--tolerance`` nats of the better of {latest personalized, newest global}, and
+not worse than the base model. The first row keeps the choice as it is (no re-choice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_results  # noqa: E402
+from deployed_judge import client_states, open_study  # noqa: E402
+
+from ciders_edge.data.holdout import hold_out  # noqa: E402
+from ciders_edge.data.records import load_examples  # noqa: E402
+from ciders_edge.formats.bundle import Bundle  # noqa: E402
+from ciders_edge.inference.evaluate import backbone_batches  # noqa: E402
+from ciders_edge.model.adapfu import load_adapfu  # noqa: E402
+from ciders_edge.profiles import load_profile  # noqa: E402
+from ciders_edge.progress import progress_bar  # noqa: E402
+from ciders_edge.training.round import round_hyperparams  # noqa: E402
+from ciders_edge.training.validation import (  # noqa: E402
+    SE_MARGIN,
+    Choice,
+    Scores,
+    deployable,
+    messenger_scores,
+    paired_se,
+    rivals_of,
+)
+
+RULES = (("kept", 0.0), ("kept", SE_MARGIN), ("kept", 2.0), ("global", SE_MARGIN), ("personalized", SE_MARGIN))
+
+
+@torch.no_grad()
+def client_candidates(edge, slice_records: list, batches: list, candidates: list) -> list[dict]:
+    """Each candidate's slice loss record by record (any rule's standard error comes from them) and its NLL
+    on the judge's ``batches``."""
+    slice_batches = backbone_batches(edge, slice_records)
+    out = []
+    for name, tensors in candidates:
+        edge.use_messenger(tensors)
+        s = messenger_scores(edge, slice_batches)
+        judged = messenger_scores(edge, batches).nll
+        out.append({"name": name, "slice": s.nll, "nll": s.record_nll.tolist(), "tokens": s.record_tokens.tolist()})
+        out[-1]["judge"] = judged
+    return out
+
+
+def study_candidates(study_dir: Path, judge_records: int) -> dict[str, dict]:
+    """Per client that holds a choice, after the study's last round: its candidates on the newest bundle."""
+    study, cfg, done = open_study(study_dir)
+    bundle = Bundle.load(study.run.bundle(cfg.profile, done))
+    edge = load_adapfu(bundle)
+    seq_len = round_hyperparams(bundle, load_profile(cfg.profile), {}).seq_len
+    v = {k: t.float() for k, t in bundle.messenger_lora().items()}
+    states, out, judged = client_states(study), {}, {}  # judged: the backbone pass of each eval file, once
+    with progress_bar() as bar:
+        task = bar.add_task("candidates", total=len(states), metrics="")
+        for cid, state in states.items():
+            _, slice_records = hold_out(load_examples(study.train_data(cid), edge.tokenizer, seq_len), cfg.val_fraction)
+            digest = hashlib.sha256(study.eval_data(cid).read_bytes()).hexdigest()
+            if digest not in judged:
+                judged[digest] = backbone_batches(
+                    edge, load_examples(study.eval_data(cid), edge.tokenizer, 512)[:judge_records]
+                )
+            x = {k: t.float() for k, t in state.personalized.items()}
+            kept = {k: t.float() for k, t in state.best.items()}
+            named = [("kept", kept)] + [(c.name, t) for c, t in rivals_of(x, v, (done, state.round))]
+            out[cid] = {
+                "stale_rounds": done - 1 - state.round,
+                "kept": state.best_info["messenger"],
+                "candidates": client_candidates(edge, slice_records, judged[digest], named),
+            }
+            bar.update(task, advance=1, metrics=cid)
+    return out
+
+
+def _scores(c: dict) -> Scores:
+    return Scores(c["slice"], None, 0, torch.tensor(c["nll"], dtype=torch.float64), torch.tensor(c["tokens"]).double())
+
+
+def pick(cands: list[dict], reference: str | None, margin: float) -> dict:
+    """The candidate a rule deploys: ``reference`` (None: keep the kept best as it is) unless a rival's slice
+    NLL is lower by more than ``margin`` standard errors of its gap to the reference."""
+    by_name = {c["name"]: c for c in cands}
+    if reference is None:
+        return by_name["kept"]
+    ordered = [by_name[reference]] + [c for c in cands if c["name"] != reference]
+    ref = _scores(ordered[0])
+    choices = [Choice(c["name"], 0, nll=c["slice"], se=paired_se(ref, _scores(c)) if i else 0.0) for i, c in
+               enumerate(ordered)]  # fmt: skip
+    return ordered[deployable(choices, margin)]
+
+
+def judge_rule(clients: dict[str, dict], reference: str | None, margin: float, tolerance: float) -> dict:
+    """The targets' figures for the rule's choices, and the stale clients' among them."""
+    gaps, over_base, picks, stale_within = [], [], [], []
+    for client in clients.values():
+        cands = client["candidates"]
+        picked = pick(cands, reference, margin)
+        judge = {c["name"]: c["judge"] for c in cands}
+        gaps.append(picked["judge"] - min(judge["personalized"], judge["global"]))
+        over_base.append(picked["judge"] - judge["base"])
+        picks.append(picked["name"])
+        if client["stale_rounds"] > 0:
+            stale_within.append(gaps[-1] <= tolerance)
+    n = len(gaps)
+    return {
+        "reference": reference,
+        "margin": margin,
+        "within": sum(g <= tolerance for g in gaps),
+        "clients": n,
+        "stale_within": sum(stale_within),
+        "stale": len(stale_within),
+        "mean_gap": sum(gaps) / n,
+        "worst_gap": max(gaps),
+        "worse_than_base": sum(d > 0 for d in over_base),
+        "worse_than_base_beyond_tolerance": sum(d > tolerance for d in over_base),
+        "picks": picks,
+    }
+
+
+def _label(r: dict) -> str:
+    if r["reference"] is None:
+        return "no re-choice (the kept best)"
+    device = " (`ciders-edge validate`)" if (r["reference"], r["margin"]) == ("kept", SE_MARGIN) else ""
+    return f"reference {r['reference']}, margin {r['margin']:g} SE{device}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--study", type=Path, required=True, help="a study folder (simulate with --val-fraction)")
+    ap.add_argument("--judge-records", type=int, default=64, help="held-out records a client the choice is judged on")
+    ap.add_argument("--tolerance", type=float, default=0.01)
+    args = ap.parse_args()
+    clients = study_candidates(args.study, args.judge_records)
+    rows = [judge_rule(clients, None, 0.0, args.tolerance)]
+    rows += [judge_rule(clients, ref, m, args.tolerance) for ref, m in RULES]
+    table = [
+        [
+            _label(r),
+            f"{r['within']}/{r['clients']} ({r['within'] / r['clients']:.0%})",
+            f"{r['stale_within']}/{r['stale']}",
+            f"{r['mean_gap']:+.4f}",
+            f"{r['worst_gap']:+.4f}",
+            f"{r['worse_than_base']} ({r['worse_than_base_beyond_tolerance']})",
+            ", ".join(f"{p} {r['picks'].count(p)}" for p in sorted(set(r["picks"]))),
+        ]
+        for r in rows
+    ]
+    header = [
+        "rule", f"within {args.tolerance} of min(personalized, newest global)", "of them, not sampled last round",
+        "mean gap", "worst gap", f"worse than base (> {args.tolerance})", "chosen",
+    ]  # fmt: skip
+    _, _, done = open_study(args.study)
+    notes = (
+        f"After round {done - 1} of `{args.study}`: each client's candidates scored on its validation slice and "
+        f"on AdapFu with the newest (round {done}) bundle's global messenger, judged on {args.judge_records} "
+        "held-out records."
+    )
+    print(write_results("deployed_rechoice", {"rows": rows, "clients": clients}, table, header, notes))
+
+
+if __name__ == "__main__":
+    main()
