@@ -29,6 +29,13 @@ def serve(
         bool,
         typer.Option(help="Sum the edges' displacements by Flower's SecAgg+: the cloud sees only their mean."),
     ] = False,
+    rechoose: Annotated[
+        bool,
+        typer.Option(
+            help="After each round, every online edge that holds a choice chooses its deployed messenger again on "
+            "the new bundle (`ciders-edge validate`, Flower's evaluate messages; edges join with --val-fraction)."
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Run the rounds over the network on a Flower SuperLink; edges join with `ciders-edge join`."""
@@ -46,7 +53,7 @@ def serve(
         console.print(f"[green]✓[/] run at round {s['round']} of {s['rounds']} ({done})")
 
     opts = dict(min_clients=min_clients, address=address, round_timeout=round_timeout, certs=certs)
-    opts["secure_aggregation"] = secure_aggregation
+    opts.update(secure_aggregation=secure_aggregation, rechoose=rechoose)
     body = locked(run, "serve", lambda: serve_fleet(ServeSettings(run, rounds, connect=connect, **opts)))
     run_command(body, as_json, render)
 

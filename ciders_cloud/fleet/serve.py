@@ -46,9 +46,10 @@ EARLIER_EXIT_S = 60.0  # how long a restarted serve waits for a crashed one's Fl
 class ServeSettings:
     """What ``serve`` runs: its flags on this side of ``flwr run``, its run config on the ServerApp's.
 
-    :meth:`to_run_config` and :meth:`from_run_config` carry ``run_dir``, ``rounds``, ``min_clients`` and
-    ``round_timeout`` across (keys as in the app's pyproject.toml); the SuperLink's address, the
-    certificates and ``connect`` concern serve alone, so the ServerApp sees their defaults.
+    :meth:`to_run_config` and :meth:`from_run_config` carry ``run_dir``, ``rounds``, ``min_clients``,
+    ``round_timeout``, ``secure_aggregation`` and ``rechoose`` across (keys as in the app's pyproject.toml);
+    the SuperLink's address, the certificates and ``connect`` concern serve alone, so the ServerApp sees
+    their defaults.
     """
 
     run_dir: Path
@@ -59,6 +60,7 @@ class ServeSettings:
     certs: Path | None = None  # default RUN/certs
     connect: bool = False  # use a SuperLink already running at `address`
     secure_aggregation: bool = False  # rounds summed by Flower's SecAgg+ (the cloud learns only their mean)
+    rechoose: bool = False  # after each round, online edges choose their deployed messenger again on the new bundle
 
     def __post_init__(self) -> None:
         check_limit("rounds", self.rounds, "--rounds")
@@ -78,15 +80,16 @@ class ServeSettings:
         return (
             f"run-dir={json.dumps(str(self.run_dir.resolve()))} rounds={self.rounds} "
             f"min-clients={self.min_clients} round-timeout={float(self.round_timeout)} "
-            f"secure-aggregation={str(self.secure_aggregation).lower()}"
+            f"secure-aggregation={str(self.secure_aggregation).lower()} rechoose={str(self.rechoose).lower()}"
         )
 
     @classmethod
     def from_run_config(cls, rc) -> ServeSettings:
         """The settings from the ServerApp's ``context.run_config`` (what :meth:`to_run_config` sent)."""
         run_dir, rounds, min_clients = Path(str(rc["run-dir"])), int(rc["rounds"]), int(rc["min-clients"])
-        secure = bool(rc.get("secure-aggregation", False))
-        return cls(run_dir, rounds, min_clients, round_timeout=float(rc["round-timeout"]), secure_aggregation=secure)
+        secure, rechoose = bool(rc.get("secure-aggregation", False)), bool(rc.get("rechoose", False))
+        timeout = float(rc["round-timeout"])
+        return cls(run_dir, rounds, min_clients, round_timeout=timeout, secure_aggregation=secure, rechoose=rechoose)
 
 
 def check_aggregation(run: RunConfig, state: ServerState, opts: ServeSettings) -> None:

@@ -3,6 +3,8 @@
 Each round: wait for the run's edges, sync them (each settles its last round against the
 cloud's c_i and says which bundle files it holds), send each the round's bundle delta, collect
 Δc packets until the round timeout, and close the round with the packets that pass the checks.
+With ``serve --rechoose`` every online edge then gets the new bundle and chooses its deployed
+messenger again (Flower's evaluate messages).
 The run folder is the only state: a restarted cloud resumes at its last completed round.
 """
 
@@ -68,6 +70,8 @@ def main(grid: Grid, context: Context) -> None:
         empty = 0
         while co.round < s.rounds:
             closed = run_round(grid, context, co, s, patient=empty == 0 and co.round == co.started)
+            if closed and s.rechoose:
+                rechoose_round(grid, co, s)
             empty = 0 if closed else empty + 1
             if empty == MAX_EMPTY_ROUNDS:
                 raise ReplyError(
@@ -121,6 +125,38 @@ def run_round(grid: Grid, context: Context, co: Coordinator, s: ServeSettings, p
         if (line := validation_line(r.get("edge", {}))) is not None:
             log(INFO, "round %d: %s %s", t, r["client"], line)
     return True
+
+
+def rechoose_round(grid: Grid, co: Coordinator, s: ServeSettings) -> None:
+    """Federated evaluation after a round closes: every online edge gets the new bundle (the files it lacks) and
+    chooses its deployed messenger again on it, as ``ciders-edge validate`` does; the log says what each deploys.
+    Edges sampled for the next round choose again when they train; the others would keep a stale choice."""
+    t = co.round - 1
+    edges = co.edges(grid.get_nodes())
+    answers = exchange(grid, {e: _sync_message(co, e, s) for e in edges}, s.round_timeout)
+    records = {e: {"type": "rechoice", "round": t, "client": e.client_id, "bundle_round": co.round} for e in edges}
+    asks = {}
+    for e in edges:
+        try:
+            answer = json.loads(_content(answers.get(e), "sync", s).config_records[SYNC]["json"])
+            config, files = co.train_request(e, answer)
+        except Exception as err:  # noqa: BLE001  one edge's bad answer must not stop the others
+            records[e]["status"] = refusal(err)
+            continue
+        records[e]["bytes_down"] = len(config["manifest"]) + sum(map(len, files.values()))
+        content = RecordDict({ROUND: ConfigRecord(config), FILES: bytes_record(files)})
+        asks[e] = Message(content, e.node_id, MessageType.EVALUATE, ttl=s.round_timeout, group_id=str(co.round))
+    replies = exchange(grid, asks, s.round_timeout)
+    for e in asks:
+        try:
+            report = edge_report(_content(replies.get(e), "re-choice", s).config_records[SUMMARY]["json"])
+        except Exception as err:  # noqa: BLE001  a bad reply is logged; the round stands
+            records[e]["status"] = refusal(err)
+            continue
+        records[e].update(edge=report, status=str(report.get("skipped", "chosen")))
+        if (line := validation_line(report)) is not None:
+            log(INFO, "round %d: %s (not trained) %s", co.round, e.client_id, line)
+    co.log(list(records.values()))
 
 
 def plain_train(grid, context, co: Coordinator, s: ServeSettings, requests: dict, records: dict) -> dict | None:

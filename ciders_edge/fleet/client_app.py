@@ -54,3 +54,18 @@ def train(msg: Message, context: Context) -> Message:
         {PACKET: bytes_record({"packet": packet}), SUMMARY: ConfigRecord({"json": json.dumps(summary)})}
     )
     return Message(content, reply_to=msg)
+
+
+@app.evaluate()
+def rechoose(msg: Message, context: Context) -> Message:
+    """Federated evaluation of a round this edge did not train: it chooses its deployed messenger again on the
+    new bundle and reports the scores (numbers only)."""
+    r, files = msg.content.config_records[ROUND], record_bytes(msg.content.array_records[FILES])
+    cfg = edge.EdgeConfig.from_node_config(context.node_config)
+    digest, elsewhere = edge.cloud_digest(r, cfg.profile), edge.other_profiles(r, cfg.profile)
+    summary = edge.choose_on(
+        cfg, str(r["client_id"]), digest, int(r["round"]), bytes(r["manifest"]), files, elsewhere, summed_round(r)
+    )
+    if "deployed" in summary:
+        log(INFO, f"CIDERS round {summary['round']}: deploys {summary['deployed']} (NLL {summary['deployed_nll']:.4f})")
+    return Message(RecordDict({SUMMARY: ConfigRecord({"json": json.dumps(summary)})}), reply_to=msg)

@@ -22,7 +22,7 @@ from ciders_edge.fleet.protocol import consensus_digest
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 
-__all__ = ["EdgeConfig", "settle", "sync", "train_pending", "cloud_digest", "PENDING", "BUNDLE"]
+__all__ = ["EdgeConfig", "settle", "sync", "train_pending", "choose_on", "cloud_digest", "PENDING", "BUNDLE"]
 
 PENDING = "pending"  # a trained round the cloud has not confirmed yet
 BUNDLE = "bundle"  # the edge's copy of the current bundle
@@ -169,3 +169,25 @@ def train_pending(
     out.state.save(cfg.state / PENDING)
     append_jsonl(cfg.state / METRICS_LOG, [{"round": bundle.round, **s} for s in out.result.steps])
     return out.packet_bytes, out.summary, out.delta_sent
+
+
+def choose_on(
+    cfg: EdgeConfig,
+    client_id: str,
+    cloud_digest: str,
+    cloud_round: int,
+    manifest: bytes,
+    files: dict[str, bytes],
+    elsewhere: Mapping[str, str],
+    summed_round: int | None = None,
+) -> dict:
+    """A round this edge does not train: settle the last round, rebuild the new bundle and choose the deployed
+    messenger again on it (``ciders-edge validate``'s code); the summary, or why there was nothing to choose."""
+    from ciders_edge.formats.client_state import holds_choice
+    from ciders_edge.training.rechoice import choose_again  # transformers: only when scoring
+
+    settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere, summed_round)
+    bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
+    if not holds_choice(cfg.state):
+        return {"round": bundle.round, "skipped": "no deployed choice yet (never trained with a validation slice)"}
+    return choose_again(bundle.path, cfg.data, cfg.state, cfg.profile, cfg.val_fraction)

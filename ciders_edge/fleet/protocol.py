@@ -8,6 +8,10 @@ A round is two exchanges per edge:
 2. ``train``: the cloud sends the round's bundle manifest and only the files the edge lacks; the
    edge rebuilds the bundle, verifies every checksum, trains, and answers with its Δc packet.
 
+With ``serve --rechoose`` a closed round is followed by a sync and an ``evaluate`` exchange with every online
+edge: the new bundle's files go down as in ``train``, the edge chooses its deployed messenger again on them
+(``ciders-edge validate``) and answers with its scores in ``SUMMARY``.
+
 Files and packets ride as Flower ``Array`` objects of raw bytes, which Flower streams in chunks. A secure
 round (``serve --secure-aggregation``) replaces the train exchange by Flower's SecAgg+ stages
 (:mod:`.secure`); its sync says ``summed_round`` instead of a c_i digest.

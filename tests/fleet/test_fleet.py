@@ -72,3 +72,26 @@ def test_a_mixed_fleet_serves_each_edge_its_profile_and_matches_simulate(demo_di
     assert pi.kept_layers == [0, 2, 5]  # the Pi's backbone; its c_i, named by its AdapEmu, is the cloud's
     assert equal_tensors(shift_layers(pi.c_i, 3), got.clients[b]) and len(pi.c_i) < len(got.messenger)
     assert equal_tensors(ClientState.load(fleet.state(a)).c_i, got.clients[a])
+
+
+def test_a_fleet_that_rechooses_deploys_what_simulate_deploys(demo_dir, tmp_path, fleet_factory):
+    """`serve --rechoose`: after each round every online edge gets the new bundle and chooses its deployed
+    messenger again (Flower's evaluate messages); the edges end deploying what `simulate --rechoose`'s clients
+    deploy, bit for bit, and the cloud's log says what each chose."""
+    cfg = fleet_config(demo_dir, clients=2).replace(rounds=2, max_records=20, val_fraction=0.1, rechoose=True)
+    simulate(cfg, tmp_path / "sim")
+    fleet, ids = fleet_factory(cfg)
+    fleet.serve(2, 2, 120, "--rechoose")
+    for cid in ids:
+        fleet.join(cid, fleet.run_dir.parent / "data" / cid / "train.jsonl", "--val-fraction", "0.1")
+    assert fleet.wait("cloud", timeout=600) == 0, fleet.log("cloud")[-4000:]
+
+    for cid in ids:
+        got, want = ClientState.load(fleet.state(cid)), ClientState.load(tmp_path / "sim" / "clients" / cid)
+        assert got.best_info == want.best_info and got.best_info["scored_round"] == 2, cid
+        assert equal_tensors(got.best, want.best), cid
+    rechosen = [r for r in fleet.fleet_log() if r["type"] == "rechoice"]
+    assert [(r["bundle_round"], r["client"], r["status"]) for r in rechosen] == [
+        (t, cid, "chosen") for t in (1, 2) for cid in ids
+    ]
+    assert all(r["edge"]["deployed_nll"] > 0 and "val_nll_kept" in r["edge"] for r in rechosen)
