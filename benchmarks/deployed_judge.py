@@ -14,8 +14,10 @@ to the better of {latest personalized, the global the device holds}.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,16 +26,19 @@ from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.round_loop import evaluated_after
-from ciders_edge.data.records import load_examples
+from ciders_edge.data.holdout import hold_out
+from ciders_edge.data.records import Example, load_examples
 from ciders_edge.formats.atomic import write_json
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.inference.evaluate import backbone_batches
 from ciders_edge.model.adapfu import load_adapfu
+from ciders_edge.profiles import load_profile
 from ciders_edge.progress import progress_bar
+from ciders_edge.training.round import round_hyperparams
 from ciders_edge.training.validation import Scores, messenger_scores, paired_se
 
-__all__ = ["JUDGED", "client_states", "judge_round", "judged", "open_study"]
+__all__ = ["JUDGED", "StudyClients", "judge_parser", "client_states", "judge_round", "judged", "open_study"]
 
 JUDGED = "deployed_judge"  # in each study: round-NNNN.json, one per judged round
 
@@ -54,6 +59,44 @@ def client_states(study: StudyFolder) -> dict[str, ClientState]:
     root = study.root / "clients"
     ids = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
     return {c: s for c in ids if (s := ClientState.load(study.client_state(c))) is not None and s.best}
+
+
+def judge_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of a benchmark that judges a study's choices after its last round."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--study", type=Path, required=True, help="a study folder (simulate with --val-fraction)")
+    ap.add_argument("--judge-records", type=int, default=64, help="held-out records a client the choice is judged on")
+    ap.add_argument("--tolerance", type=float, default=0.01)
+    return ap
+
+
+class StudyClients:
+    """After a study's last round, on AdapFu with the newest bundle: each client that holds a choice, with its
+    validation slice (as its device holds it out) and the judge's batches of its first ``judge_records`` eval
+    records (each eval file's backbone pass once). ``edge``, ``v`` (the newest global) and ``done`` for the rest."""
+
+    def __init__(self, study_dir: Path, judge_records: int) -> None:
+        study, self.cfg, self.done = open_study(study_dir)
+        self.study, self.judge_records = study, judge_records
+        bundle = Bundle.load(study.run.bundle(self.cfg.profile, self.done))
+        self.edge = load_adapfu(bundle)
+        self.seq_len = round_hyperparams(bundle, load_profile(self.cfg.profile), {}).seq_len
+        self.v = {k: t.float() for k, t in bundle.messenger_lora().items()}
+
+    def __iter__(self) -> Iterator[tuple[str, ClientState, list[Example], list]]:
+        """(client id, state, validation slice, judge batches), with a progress bar."""
+        study, edge, judged = self.study, self.edge, {}
+        states = client_states(study)
+        with progress_bar() as bar:
+            task = bar.add_task("candidates", total=len(states), metrics="")
+            for cid, state in states.items():
+                examples = load_examples(study.train_data(cid), edge.tokenizer, self.seq_len)
+                digest = hashlib.sha256(study.eval_data(cid).read_bytes()).hexdigest()
+                if digest not in judged:
+                    records = load_examples(study.eval_data(cid), edge.tokenizer, 512)[: self.judge_records]
+                    judged[digest] = backbone_batches(edge, records)
+                yield cid, state, hold_out(examples, self.cfg.val_fraction)[1], judged[digest]
+                bar.update(task, advance=1, metrics=cid)
 
 
 @torch.no_grad()

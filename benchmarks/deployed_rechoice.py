@@ -14,8 +14,6 @@ not worse than the base model. The first row keeps the choice as it is (no re-ch
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import sys
 from pathlib import Path
 
@@ -23,16 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
-from deployed_judge import client_states, open_study  # noqa: E402
+from deployed_judge import StudyClients, judge_parser, open_study  # noqa: E402
+from deployed_rules import cells, targets  # noqa: E402
 
-from ciders_edge.data.holdout import hold_out  # noqa: E402
-from ciders_edge.data.records import load_examples  # noqa: E402
-from ciders_edge.formats.bundle import Bundle  # noqa: E402
 from ciders_edge.inference.evaluate import backbone_batches  # noqa: E402
-from ciders_edge.model.adapfu import load_adapfu  # noqa: E402
-from ciders_edge.profiles import load_profile  # noqa: E402
-from ciders_edge.progress import progress_bar  # noqa: E402
-from ciders_edge.training.round import round_hyperparams  # noqa: E402
 from ciders_edge.training.validation import (  # noqa: E402
     SE_MARGIN,
     Choice,
@@ -63,30 +55,17 @@ def client_candidates(edge, slice_records: list, batches: list, candidates: list
 
 def study_candidates(study_dir: Path, judge_records: int) -> dict[str, dict]:
     """Per client that holds a choice, after the study's last round: its candidates on the newest bundle."""
-    study, cfg, done = open_study(study_dir)
-    bundle = Bundle.load(study.run.bundle(cfg.profile, done))
-    edge = load_adapfu(bundle)
-    seq_len = round_hyperparams(bundle, load_profile(cfg.profile), {}).seq_len
-    v = {k: t.float() for k, t in bundle.messenger_lora().items()}
-    states, out, judged = client_states(study), {}, {}  # judged: the backbone pass of each eval file, once
-    with progress_bar() as bar:
-        task = bar.add_task("candidates", total=len(states), metrics="")
-        for cid, state in states.items():
-            _, slice_records = hold_out(load_examples(study.train_data(cid), edge.tokenizer, seq_len), cfg.val_fraction)
-            digest = hashlib.sha256(study.eval_data(cid).read_bytes()).hexdigest()
-            if digest not in judged:
-                judged[digest] = backbone_batches(
-                    edge, load_examples(study.eval_data(cid), edge.tokenizer, 512)[:judge_records]
-                )
-            x = {k: t.float() for k, t in state.personalized.items()}
-            kept = {k: t.float() for k, t in state.best.items()}
-            named = [("kept", kept)] + [(c.name, t) for c, t in rivals_of(x, v, (done, state.round))]
-            out[cid] = {
-                "stale_rounds": done - 1 - state.round,
-                "kept": state.best_info["messenger"],
-                "candidates": client_candidates(edge, slice_records, judged[digest], named),
-            }
-            bar.update(task, advance=1, metrics=cid)
+    clients = StudyClients(study_dir, judge_records)
+    out = {}
+    for cid, state, slice_records, batches in clients:
+        x = {k: t.float() for k, t in state.personalized.items()}
+        kept = {k: t.float() for k, t in state.best.items()}
+        named = [("kept", kept)] + [(c.name, t) for c, t in rivals_of(x, clients.v, (clients.done, state.round))]
+        out[cid] = {
+            "stale_rounds": clients.done - 1 - state.round,
+            "kept": state.best_info["messenger"],
+            "candidates": client_candidates(clients.edge, slice_records, batches, named),
+        }
     return out
 
 
@@ -108,31 +87,11 @@ def pick(cands: list[dict], reference: str | None, margin: float) -> dict:
 
 
 def judge_rule(clients: dict[str, dict], reference: str | None, margin: float, tolerance: float) -> dict:
-    """The targets' figures for the rule's choices, and the stale clients' among them."""
-    gaps, over_base, picks, stale_within = [], [], [], []
-    for client in clients.values():
-        cands = client["candidates"]
-        picked = pick(cands, reference, margin)
-        judge = {c["name"]: c["judge"] for c in cands}
-        gaps.append(picked["judge"] - min(judge["personalized"], judge["global"]))
-        over_base.append(picked["judge"] - judge["base"])
-        picks.append(picked["name"])
-        if client["stale_rounds"] > 0:
-            stale_within.append(gaps[-1] <= tolerance)
-    n = len(gaps)
-    return {
-        "reference": reference,
-        "margin": margin,
-        "within": sum(g <= tolerance for g in gaps),
-        "clients": n,
-        "stale_within": sum(stale_within),
-        "stale": len(stale_within),
-        "mean_gap": sum(gaps) / n,
-        "worst_gap": max(gaps),
-        "worse_than_base": sum(d > 0 for d in over_base),
-        "worse_than_base_beyond_tolerance": sum(d > tolerance for d in over_base),
-        "picks": picks,
-    }
+    """The targets' figures for the rule's choices, and how many of the stale clients' are within."""
+    picked = [(pick(c["candidates"], reference, margin), c["candidates"]) for c in clients.values()]
+    row = {"reference": reference, "margin": margin, **targets(picked, tolerance)}
+    stale = [gap <= tolerance for c, gap in zip(clients.values(), row["gaps"], strict=True) if c["stale_rounds"] > 0]
+    return {**row, "stale_within": sum(stale), "stale": len(stale)}
 
 
 def _label(r: dict) -> str:
@@ -143,26 +102,11 @@ def _label(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--study", type=Path, required=True, help="a study folder (simulate with --val-fraction)")
-    ap.add_argument("--judge-records", type=int, default=64, help="held-out records a client the choice is judged on")
-    ap.add_argument("--tolerance", type=float, default=0.01)
-    args = ap.parse_args()
+    args = judge_parser(__doc__.splitlines()[0]).parse_args()
     clients = study_candidates(args.study, args.judge_records)
     rows = [judge_rule(clients, None, 0.0, args.tolerance)]
     rows += [judge_rule(clients, ref, m, args.tolerance) for ref, m in RULES]
-    table = [
-        [
-            _label(r),
-            f"{r['within']}/{r['clients']} ({r['within'] / r['clients']:.0%})",
-            f"{r['stale_within']}/{r['stale']}",
-            f"{r['mean_gap']:+.4f}",
-            f"{r['worst_gap']:+.4f}",
-            f"{r['worse_than_base']} ({r['worse_than_base_beyond_tolerance']})",
-            ", ".join(f"{p} {r['picks'].count(p)}" for p in sorted(set(r["picks"]))),
-        ]
-        for r in rows
-    ]
+    table = [[_label(r), (c := cells(r))[0], f"{r['stale_within']}/{r['stale']}", *c[1:]] for r in rows]
     header = [
         "rule", f"within {args.tolerance} of min(personalized, newest global)", "of them, not sampled last round",
         "mean gap", "worst gap", f"worse than base (> {args.tolerance})", "chosen",

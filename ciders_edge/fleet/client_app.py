@@ -14,7 +14,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from ciders_edge.fleet import edge
-from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes, summed_round
+from ciders_edge.fleet.protocol import FILES, PACKET, ROUND, SUMMARY, SYNC, bytes_record, record_bytes
 from ciders_edge.fleet.secure import is_secure, secure_aggregation_mod, secure_reply, secure_request
 
 app = ClientApp(mods=[secure_aggregation_mod])  # a secure round's messages go through Flower's SecAgg+ mod
@@ -22,10 +22,8 @@ app = ClientApp(mods=[secure_aggregation_mod])  # a secure round's messages go t
 
 @app.query()
 def sync(msg: Message, context: Context) -> Message:
-    ask = msg.content.config_records[SYNC]
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
-    digest, elsewhere = edge.cloud_digest(ask, cfg.profile), edge.other_profiles(ask, cfg.profile)
-    answer = edge.sync(cfg, str(ask["client_id"]), digest, int(ask["round"]), elsewhere, summed_round(ask))
+    answer = edge.sync(cfg, edge.CloudRequest.of(msg.content.config_records[SYNC], cfg.profile))
     return Message(RecordDict({SYNC: ConfigRecord({"json": json.dumps(answer)})}), reply_to=msg)
 
 
@@ -37,10 +35,7 @@ def train(msg: Message, context: Context) -> Message:
     else:
         r, files = msg.content.config_records[ROUND], record_bytes(msg.content.array_records[FILES])
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
-    digest, elsewhere = edge.cloud_digest(r, cfg.profile), edge.other_profiles(r, cfg.profile)
-    packet, summary, delta = edge.train_pending(
-        cfg, str(r["client_id"]), digest, int(r["round"]), bytes(r["manifest"]), files, elsewhere, summed_round(r)
-    )
+    packet, summary, delta = edge.train_pending(cfg, edge.CloudRequest.of(r, cfg.profile), files)
     s = summary
     log(
         INFO,
@@ -62,10 +57,7 @@ def rechoose(msg: Message, context: Context) -> Message:
     new bundle and reports the scores (numbers only)."""
     r, files = msg.content.config_records[ROUND], record_bytes(msg.content.array_records[FILES])
     cfg = edge.EdgeConfig.from_node_config(context.node_config)
-    digest, elsewhere = edge.cloud_digest(r, cfg.profile), edge.other_profiles(r, cfg.profile)
-    summary = edge.choose_on(
-        cfg, str(r["client_id"]), digest, int(r["round"]), bytes(r["manifest"]), files, elsewhere, summed_round(r)
-    )
+    summary = edge.choose_on(cfg, edge.CloudRequest.of(r, cfg.profile), files)
     if "deployed" in summary:
         log(INFO, f"CIDERS round {summary['round']}: deploys {summary['deployed']} (NLL {summary['deployed_nll']:.4f})")
     return Message(RecordDict({SUMMARY: ConfigRecord({"json": json.dumps(summary)})}), reply_to=msg)

@@ -18,11 +18,21 @@ from pathlib import Path
 from ciders_edge.data.holdout import VAL_FRACTION, check_val_fraction
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.fleet.bundle_sync import held_files, install_bundle
-from ciders_edge.fleet.protocol import consensus_digest
+from ciders_edge.fleet.protocol import consensus_digest, summed_round
 from ciders_edge.formats.atomic import append_jsonl
 from ciders_edge.formats.client_state import METRICS_LOG, ClientState
 
-__all__ = ["EdgeConfig", "settle", "sync", "train_pending", "choose_on", "cloud_digest", "PENDING", "BUNDLE"]
+__all__ = [
+    "EdgeConfig",
+    "CloudRequest",
+    "settle",
+    "sync",
+    "train_pending",
+    "choose_on",
+    "cloud_digest",
+    "PENDING",
+    "BUNDLE",
+]
 
 PENDING = "pending"  # a trained round the cloud has not confirmed yet
 BUNDLE = "bundle"  # the edge's copy of the current bundle
@@ -132,62 +142,59 @@ def other_profiles(request: Mapping, profile: str) -> dict[str, str]:
     return {p: str(d) for p, d in json.loads(str(request["c_i_digests"])).items() if p != profile}
 
 
-def sync(
-    cfg: EdgeConfig,
-    client_id: str,
-    cloud_digest: str,
-    cloud_round: int,
-    elsewhere: Mapping[str, str],
-    summed_round: int | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class CloudRequest:
+    """What a sync or round message from the cloud says: who this node is, the cloud's round and its copy of
+    the node's c_i (as a digest under this profile's names and the others'), and the round's bundle manifest."""
+
+    client_id: str
+    digest: str
+    round: int
+    elsewhere: Mapping[str, str]
+    summed_round: int | None = None  # secure rounds: the last round whose sum held this client
+    manifest: bytes = b""
+
+    @classmethod
+    def of(cls, record: Mapping, profile: str) -> CloudRequest:
+        manifest = bytes(record["manifest"]) if "manifest" in record else b""
+        digest, elsewhere = cloud_digest(record, profile), other_profiles(record, profile)
+        return cls(str(record["client_id"]), digest, int(record["round"]), elsewhere, summed_round(record), manifest)
+
+    def settle(self, state_dir: Path) -> ClientState | None:
+        return settle(state_dir, self.client_id, self.digest, self.round, self.elsewhere, self.summed_round)
+
+
+def sync(cfg: EdgeConfig, request: CloudRequest) -> dict:
     """Answer a round's opening: settle the last round, say which profile and bundle files we hold."""
-    settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere, summed_round)
+    request.settle(cfg.state)
     return {"profile": cfg.profile, "held": held_files(cfg.state / BUNDLE)}
 
 
-def train_pending(
-    cfg: EdgeConfig,
-    client_id: str,
-    cloud_digest: str,
-    cloud_round: int,
-    manifest: bytes,
-    files: dict[str, bytes],
-    elsewhere: Mapping[str, str],
-    summed_round: int | None = None,
-) -> tuple[bytes, dict, dict]:
+def train_pending(cfg: EdgeConfig, request: CloudRequest, files: dict[str, bytes]) -> tuple[bytes, dict, dict]:
     """One round: rebuild and verify the bundle, train (``ciders-edge train``'s code), keep the new
     state pending; returns the packet, the training summary and the displacement the cloud would
     reconstruct from the packet (what a secure round sums instead)."""
     from ciders_edge.formats.packet import read_key_file
     from ciders_edge.training.round import RoundOptions, train_round  # transformers: only when training
 
-    state = settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere, summed_round)
-    bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
+    state = request.settle(cfg.state)
+    bundle = install_bundle(cfg.state / BUNDLE, request.manifest, files)
     key = read_key_file(cfg.key) if cfg.key is not None else None
-    options = RoundOptions(client_id, cfg.profile, cfg.codec, key, val_fraction=cfg.val_fraction)
+    options = RoundOptions(request.client_id, cfg.profile, cfg.codec, key, val_fraction=cfg.val_fraction)
     out = train_round(bundle, cfg.data, state, options)
     out.state.save(cfg.state / PENDING)
     append_jsonl(cfg.state / METRICS_LOG, [{"round": bundle.round, **s} for s in out.result.steps])
     return out.packet_bytes, out.summary, out.delta_sent
 
 
-def choose_on(
-    cfg: EdgeConfig,
-    client_id: str,
-    cloud_digest: str,
-    cloud_round: int,
-    manifest: bytes,
-    files: dict[str, bytes],
-    elsewhere: Mapping[str, str],
-    summed_round: int | None = None,
-) -> dict:
+def choose_on(cfg: EdgeConfig, request: CloudRequest, files: dict[str, bytes]) -> dict:
     """A round this edge does not train: settle the last round, rebuild the new bundle and choose the deployed
     messenger again on it (``ciders-edge validate``'s code); the summary, or why there was nothing to choose."""
     from ciders_edge.formats.client_state import holds_choice
     from ciders_edge.training.rechoice import choose_again  # transformers: only when scoring
 
-    settle(cfg.state, client_id, cloud_digest, cloud_round, elsewhere, summed_round)
-    bundle = install_bundle(cfg.state / BUNDLE, manifest, files)
+    request.settle(cfg.state)
+    bundle = install_bundle(cfg.state / BUNDLE, request.manifest, files)
     if not holds_choice(cfg.state):
         return {"round": bundle.round, "skipped": "no deployed choice yet (never trained with a validation slice)"}
     return choose_again(bundle.path, cfg.data, cfg.state, cfg.profile, cfg.val_fraction)
