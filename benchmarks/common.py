@@ -129,11 +129,21 @@ def run_simulate(cfg, out: Path, engine=None, device: str = "cpu") -> list[dict]
     return load_metrics(out)
 
 
+def saved_settings(out: Path) -> dict | None:
+    """The settings of the study in ``out`` as this version reads them (a setting added since it was made
+    takes its default, which is what the study ran with), as JSON; None when ``out`` holds no study."""
+    from ciders_cloud.study.config import SimConfig
+
+    try:
+        saved = SimConfig.from_dict(json.loads((out / "config.json").read_text()), where=str(out / "config.json"))
+    except (OSError, ValueError):  # ConfigError is a ValueError
+        return None
+    return json.loads(json.dumps(saved.to_dict()))
+
+
 def _same_study(cfg, out: Path, rounds: bool = False) -> bool:
     """``out`` holds a study of ``cfg``'s settings (and of its rounds, with ``rounds``)."""
-    try:
-        saved = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
+    if (saved := saved_settings(out)) is None:
         return False
     want = json.loads(json.dumps(cfg.to_dict()))
     return saved == want if rounds else {**saved, "rounds": None} == {**want, "rounds": None}

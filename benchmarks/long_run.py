@@ -38,7 +38,15 @@ from pathlib import Path
 from statistics import mean, median
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, data_dir, markdown_table, this_call, trainable_lines, write_results  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    data_dir,
+    markdown_table,
+    saved_settings,
+    this_call,
+    trainable_lines,
+    write_results,
+)
 
 from ciders_edge.formats.atomic import write_bytes, write_json  # noqa: E402  (studies grown side by side share files)
 
@@ -159,7 +167,7 @@ def grow(cfg, out: Path, rounds: int, device: str = "cpu") -> bool:
     try:
         if not (out / "config.json").is_file():
             simulate(cfg.replace(rounds=1), out, device)
-        saved = json.loads((out / "config.json").read_text())
+        saved = saved_settings(out)
         if {**saved, "rounds": None} != {**json.loads(json.dumps(cfg.to_dict())), "rounds": None}:
             sys.exit(f"{out}: a study with other settings; choose another --out")
         if saved["rounds"] <= rounds:  # at it already: resume only finishes a round or an evaluation cut short

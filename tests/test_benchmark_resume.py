@@ -69,3 +69,19 @@ def test_a_private_study_grown_from_one_round_keeps_the_budget_of_all_its_rounds
     z = [json.loads((tmp_path / s / "run" / "run.json").read_text())["dp"] for s in ("straight", "grown")]
     assert z[0]["noise_multiplier"] == z[1]["noise_multiplier"] and z[1]["rounds"] == 2
     assert [r["round"] for r in _rounds(tmp_path / "grown") if r["type"] == "round"] == [0, 1]
+
+
+def test_a_study_saved_before_a_setting_existed_is_still_the_same_study(tmp_path):
+    """A config.json written before ``rechoose`` existed lacks the key: the study ran with its default, so a
+    benchmark resumes it rather than starting over (which deletes it) or refusing it."""
+    sys.path[:0] = [str(BENCHMARKS)]
+    import common
+
+    from ciders_cloud.study.config import SimConfig
+
+    cfg = SimConfig(data=["a.jsonl"], rounds=20, val_fraction=0.1)
+    saved = {k: v for k, v in json.loads(json.dumps(cfg.to_dict())).items() if k != "rechoose"}
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "rounds": 8}))
+    assert common._same_study(cfg, tmp_path) and not common._same_study(cfg, tmp_path, rounds=True)
+    assert not common._same_study(cfg.replace(rechoose=True), tmp_path)  # a setting it did not run with
+    assert not common._same_study(cfg, tmp_path / "none")
