@@ -159,6 +159,11 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="tiny for a quick try of the script")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--judge-records", type=int, default=64, help="eval records a client judged (0: none)")
+    ap.add_argument(
+        "--rechoose",
+        action="store_true",
+        help="clients choose again on each new bundle (simulate --rechoose); new --out",
+    )
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time box's stop unwinds: grow notes its rounds
@@ -167,7 +172,10 @@ def main() -> None:
 
         quiet_libraries()
         studies = [
-            (study_config(s, ALGORITHM, args).replace(val_fraction=args.val_fraction), args.out / s / ALGORITHM)
+            (
+                study_config(s, ALGORITHM, args).replace(val_fraction=args.val_fraction, rechoose=args.rechoose),
+                args.out / s / ALGORITHM,
+            )
             for s in args.settings.split(",")
         ]
         judge_and_report = lambda: (judge(studies, args), report(args))  # noqa: E731
