@@ -3,7 +3,7 @@
     python benchmarks/privacy.py --clients 50 --rounds 5 --participation 0.2 --epsilons inf,8,2
     python benchmarks/privacy.py --clients 1000 --participation 0.1 --records 3 --messenger-depth 2 \
         --domains medical,customer_support,code,general --engine flower --actors 2 --name privacy_population \
-        --algorithms ciders-fo --rounds 2 --local-steps 2 --layer-steps 50 --align-steps 20
+        --algorithms ciders-fo --rounds 3 --local-steps 2 --layer-steps 50 --align-steps 20
 
 SmolLM2-135M, five_domain: N clients, N/5 per domain, each with a few records of its domain's
 ``train.jsonl`` (disjoint shards) and scored on its domain's ``eval.jsonl``. Each (algorithm, epsilon)
