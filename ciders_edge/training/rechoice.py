@@ -52,8 +52,7 @@ def choose_again(
         v = {k: t.float() for k, t in b.messenger_lora().items()}
         x = {k: t.float() for k, t in state.personalized.items()}
         result = rechoose(edge, val, v, x, _kept(state), (b.round, state.round))
-        state.best, state.best_info = result.best_tensors, {**result.best.to_dict(), "records": result.records}
-        state.validation = {c.name: {"nll": c.nll, "exact_match": c.exact_match, "se": c.se} for c in result.scores}
+        result.keep_in(state)
         state.save(state_dir)
     seconds = round(time.perf_counter() - started, 3)
     return {

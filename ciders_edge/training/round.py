@@ -253,8 +253,7 @@ def _validate(edge: EdgeModel, val: list[Example], before: ClientState | None, o
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
     kept = (before.best, before.best_info) if before is not None and before.best else None
     result = validate(edge, val, v, new.personalized, kept, (bundle.round, new.round))
-    new.best, new.best_info = result.best_tensors, {**result.best.to_dict(), "records": result.records}
-    new.validation = {c.name: {"nll": c.nll, "exact_match": c.exact_match, "se": c.se} for c in result.scores}
+    result.keep_in(new)
     return result
 
 

@@ -139,6 +139,11 @@ class Validation:
     best_tensors: Tensors
     kept: Choice | None = None  # the state's best from before, scored again beside them
 
+    def keep_in(self, state) -> None:
+        """Make the state's deployed messenger this validation's best, with its scores (a ClientState)."""
+        state.best, state.best_info = self.best_tensors, {**self.best.to_dict(), "records": self.records}
+        state.validation = {c.name: {"nll": c.nll, "exact_match": c.exact_match, "se": c.se} for c in self.scores}
+
     def summary(self) -> dict:
         """Flat numbers for ``train --json`` and the fleet's round report (no records, no text of them)."""
         out: dict = {"val_records": self.records, "val_short_answers": self.short_answers}
