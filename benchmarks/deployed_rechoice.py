@@ -9,11 +9,14 @@ best, the newest global messenger, its latest personalized one, their mixtures a
 (which candidate is the reference a rival must beat by ``margin`` paired standard errors; :func:`~ciders_edge.
 training.validation.rechoose` takes the kept best) is judged on ``--judge-records`` held-out records against
 issue 58's targets: within ``--tolerance`` nats of the better of {latest personalized, newest global}, and
-not worse than the base model. The first row keeps the choice as it is (no re-choice).
+not worse than the base model. The first row keeps the choice as it is (no re-choice); the last rows add the
+base model's test (:func:`~ciders_edge.training.validation.deployable`'s ``base_margin``). ``--saved`` judges
+the rules again on a results file's per-record slice losses and judge NLLs, without running a model.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from deployed_rules import cells, targets  # noqa: E402
 
 from ciders_edge.inference.evaluate import backbone_batches  # noqa: E402
 from ciders_edge.training.validation import (  # noqa: E402
+    BASE_MARGIN,
     SE_MARGIN,
     Choice,
     Scores,
@@ -35,7 +39,13 @@ from ciders_edge.training.validation import (  # noqa: E402
     rivals_of,
 )
 
-RULES = (("kept", 0.0), ("kept", SE_MARGIN), ("kept", 2.0), ("global", SE_MARGIN), ("personalized", SE_MARGIN))
+DEVICE = ("kept", SE_MARGIN, BASE_MARGIN)  # reference, margin, base margin: ``ciders-edge validate``'s rule
+RULES = (
+    *(("kept", m, None) for m in (0.0, SE_MARGIN, 2.0)),
+    ("global", SE_MARGIN, None),
+    ("personalized", SE_MARGIN, None),
+    *(("kept", SE_MARGIN, b) for b in sorted({0.0, 1.0, 2.0, BASE_MARGIN})),
+)
 
 
 @torch.no_grad()
@@ -73,23 +83,31 @@ def _scores(c: dict) -> Scores:
     return Scores(c["slice"], None, 0, torch.tensor(c["nll"], dtype=torch.float64), torch.tensor(c["tokens"]).double())
 
 
-def pick(cands: list[dict], reference: str | None, margin: float) -> dict:
+def pick(cands: list[dict], reference: str | None, margin: float, base_margin: float | None) -> dict:
     """The candidate a rule deploys: ``reference`` (None: keep the kept best as it is) unless a rival's slice
-    NLL is lower by more than ``margin`` standard errors of its gap to the reference."""
+    NLL is lower by more than ``margin`` standard errors of its gap to the reference; then, unless
+    ``base_margin`` is None, the base model unless the pick beats it by that many standard errors."""
     by_name = {c["name"]: c for c in cands}
     if reference is None:
         return by_name["kept"]
     ordered = [by_name[reference]] + [c for c in cands if c["name"] != reference]
-    ref = _scores(ordered[0])
-    choices = [Choice(c["name"], 0, nll=c["slice"], se=paired_se(ref, _scores(c)) if i else 0.0) for i, c in
-               enumerate(ordered)]  # fmt: skip
-    return ordered[deployable(choices, margin)]
+    ref, base = _scores(ordered[0]), _scores(by_name["base"])
+    choices = [
+        Choice(
+            c["name"] if c["name"] == "base" else "messenger", 0, nll=c["slice"],
+            se=paired_se(ref, _scores(c)) if i else 0.0, base_se=paired_se(_scores(c), base),
+        )
+        for i, c in enumerate(ordered)
+    ]  # fmt: skip
+    return ordered[deployable(choices, margin, base_margin)]
 
 
-def judge_rule(clients: dict[str, dict], reference: str | None, margin: float, tolerance: float) -> dict:
-    """The targets' figures for the rule's choices, and how many of the stale clients' are within."""
-    picked = [(pick(c["candidates"], reference, margin), c["candidates"]) for c in clients.values()]
-    row = {"reference": reference, "margin": margin, **targets(picked, tolerance)}
+def judge_rule(clients: dict[str, dict], rule: tuple[str | None, float, float | None], tolerance: float) -> dict:
+    """The targets' figures for the choices of ``rule`` (reference, margin, base margin), and how many of the
+    stale clients' are within."""
+    reference, margin, base_margin = rule
+    picked = [(pick(c["candidates"], *rule), c["candidates"]) for c in clients.values()]
+    row = {"reference": reference, "margin": margin, "base_margin": base_margin, **targets(picked, tolerance)}
     stale = [gap <= tolerance for c, gap in zip(clients.values(), row["gaps"], strict=True) if c["stale_rounds"] > 0]
     return {**row, "stale_within": sum(stale), "stale": len(stale)}
 
@@ -97,15 +115,18 @@ def judge_rule(clients: dict[str, dict], reference: str | None, margin: float, t
 def _label(r: dict) -> str:
     if r["reference"] is None:
         return "no re-choice (the kept best)"
-    device = " (`ciders-edge validate`)" if (r["reference"], r["margin"]) == ("kept", SE_MARGIN) else ""
-    return f"reference {r['reference']}, margin {r['margin']:g} SE{device}"
+    device = " (`ciders-edge validate`)" if (r["reference"], r["margin"], r.get("base_margin")) == DEVICE else ""
+    base = "" if r.get("base_margin") is None else f", beats base by {r['base_margin']:g} SE"
+    return f"reference {r['reference']}, margin {r['margin']:g} SE{base}{device}"
 
 
 def main() -> None:
-    args = judge_parser(__doc__.splitlines()[0]).parse_args()
-    clients = study_candidates(args.study, args.judge_records)
-    rows = [judge_rule(clients, None, 0.0, args.tolerance)]
-    rows += [judge_rule(clients, ref, m, args.tolerance) for ref, m in RULES]
+    ap = judge_parser(__doc__.splitlines()[0])
+    ap.add_argument("--saved", type=Path, help="a results JSON of this benchmark: judge the rules on its figures")
+    args = ap.parse_args()
+    saved = json.loads(args.saved.read_text())["clients"] if args.saved else None
+    clients = saved or study_candidates(args.study, args.judge_records)
+    rows = [judge_rule(clients, rule, args.tolerance) for rule in ((None, 0.0, None), *RULES)]
     table = [[_label(r), (c := cells(r))[0], f"{r['stale_within']}/{r['stale']}", *c[1:]] for r in rows]
     header = [
         "rule", f"within {args.tolerance} of min(personalized, newest global)", "of them, not sampled last round",

@@ -64,7 +64,7 @@ def judge_margin(candidates: dict[str, list[dict]], margin: float, tolerance: fl
     picked = []
     for cands in candidates.values():
         choices = [Choice(c["name"], 0, nll=c["slice"], se=c["se"]) for c in cands]  # personalized first
-        picked.append((cands[deployable(choices, margin)], cands))
+        picked.append((cands[deployable(choices, margin, base_margin=None)], cands))  # the rule without base's test
     return {"margin": margin, **targets(picked, tolerance)}
 
 

@@ -118,9 +118,24 @@ def test_a_re_choice_rule_measures_each_rivals_gap_against_its_reference():
             cand("base", [1.6, 1.6], 2.3),
         ],
     }
-    keep = deployed_rechoice.judge_rule({"c": client}, None, 0.0, 0.01)
+    keep = deployed_rechoice.judge_rule({"c": client}, (None, 0.0, None), 0.01)
     assert keep["picks"] == ["kept"] and keep["within"] == 0 and keep["worst_gap"] == pytest.approx(0.1)
-    device = deployed_rechoice.judge_rule({"c": client}, "kept", 1.0, 0.01)
+    device = deployed_rechoice.judge_rule({"c": client}, deployed_rechoice.DEVICE, 0.01)
     assert device["picks"] == ["global"] and (device["within"], device["stale_within"], device["stale"]) == (1, 1, 1)
-    by_personalized = deployed_rechoice.pick(client["candidates"], "personalized", 1.0)
+    by_personalized = deployed_rechoice.pick(client["candidates"], "personalized", 1.0, None)
     assert by_personalized["name"] == "global"  # its noisy gap to the global still beats one standard error
+
+
+def test_the_base_models_test_deploys_it_where_a_messengers_lead_is_noise():
+    """The kept messenger leads the base model by 0.025 nats a token on the slice: 0.15 ahead on one record, 0.1
+    behind on the other (standard error 0.125). With the base model's test the device deploys the base model."""
+    import deployed_rechoice
+
+    def cand(name, records, judge):
+        return {"name": name, "slice": sum(records) / 4, "nll": records, "tokens": [2.0, 2.0], "judge": judge}
+
+    cands = [cand("kept", [1.0, 1.6], 2.02), cand("personalized", [1.0, 1.6], 2.02), cand("global", [1.1, 1.6], 2.01)]
+    cands.append(cand("base", [1.3, 1.4], 2.0))
+    assert deployed_rechoice.pick(cands, "kept", 1.0, None)["name"] == "kept"
+    row = deployed_rechoice.judge_rule({"c": {"stale_rounds": 0, "candidates": cands}}, deployed_rechoice.DEVICE, 0.01)
+    assert row["picks"] == ["base"] and row["worse_than_base"] == 0 and row["within"] == 1

@@ -8,7 +8,10 @@ earlier rounds, re-scored. Under partial participation or skewed data the global
 device's own (RESULTS.md's long run), so any of them can become the state's best. But a slice holds 8 to 128
 records: a rival replaces this round's personalized messenger only when its NLL is lower by more than the
 paired standard error of the gap, record by record on the slice. Smaller gaps are the slice's noise, and
-picking on them deployed a stale or mixed messenger that held-out data scored worse (issue 58's study).
+picking on them deployed a stale or mixed messenger that held-out data scored worse (issue 58's study). And
+any messenger must beat the base model by a standard error, or the device deploys the base model: where
+training barely helps (general-domain data), a slice's noise let messengers through that held-out records
+scored worse than the model the device started from.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ciders_edge.model.forward import BackboneBatch, messenger_logits
 from ciders_edge.tensors import Tensors
 
 __all__ = [
+    "BASE_MARGIN",
     "MIX_ALPHAS",
     "SE_MARGIN",
     "Choice",
@@ -43,6 +47,8 @@ __all__ = [
 
 MIX_ALPHAS = (0.25, 0.5, 0.75)  # α of α·x_K + (1−α)·v, besides 0 (global) and 1 (personalized)
 SE_MARGIN = 1.0  # standard errors a rival must win by: 0 and 2 met the target on fewer clients (deployed_rules.py)
+BASE_MARGIN = 1.0  # ... any messenger the base model by: 0 kept 3 clients worse than it, 2 lost 0.25 nats on 2
+# where the slice's noise hid a real gain (deployed_rechoice.py)
 SHORT_ANSWER = 16  # response tokens, the end of turn included: exact match is scored on records this short
 
 
@@ -112,6 +118,7 @@ class Choice:
     exact_match: float | None = None
     scored_round: int = -1  # the round it was last scored in, on that round's backbone
     se: float = 0.0  # paired standard error of its NLL gap to this round's personalized messenger (its own: 0)
+    base_se: float = 0.0  # ... and of its gap to the base model's
 
     @property
     def name(self) -> str:
@@ -142,7 +149,9 @@ class Validation:
     def keep_in(self, state) -> None:
         """Make the state's deployed messenger this validation's best, with its scores (a ClientState)."""
         state.best, state.best_info = self.best_tensors, {**self.best.to_dict(), "records": self.records}
-        state.validation = {c.name: {"nll": c.nll, "exact_match": c.exact_match, "se": c.se} for c in self.scores}
+        state.validation = {
+            c.name: {"nll": c.nll, "exact_match": c.exact_match, "se": c.se, "base_se": c.base_se} for c in self.scores
+        }
 
     def summary(self) -> dict:
         """Flat numbers for ``train --json`` and the fleet's round report (no records, no text of them)."""
@@ -158,10 +167,18 @@ class Validation:
         return {**out, "deployed": self.best.label(), "deployed_nll": self.best.nll}
 
 
-def deployable(choices: list[Choice], margin: float = SE_MARGIN) -> int:
+def deployable(choices: list[Choice], margin: float = SE_MARGIN, base_margin: float | None = BASE_MARGIN) -> int:
     """The index of the lowest NLL plus ``margin`` standard errors: the first choice (this round's personalized
-    messenger, whose own ``se`` is 0) unless a rival's NLL is lower by more than that."""
-    return min(range(len(choices)), key=lambda i: choices[i].nll + margin * choices[i].se)
+    messenger, whose own ``se`` is 0) unless a rival's NLL is lower by more than that. Then the base model's
+    test: the pick stays only if its NLL is below the base model's by at least ``base_margin`` standard errors
+    of their gap (None: no such test), since a device must not deploy what it cannot tell from worse than
+    the model it started with. A messenger that is the base model's to the bit (round 0's global) stays."""
+    pick = min(range(len(choices)), key=lambda i: choices[i].nll + margin * choices[i].se)
+    base = next((i for i, c in enumerate(choices) if c.messenger == "base"), None)
+    if base is None or base_margin is None:
+        return pick
+    beats_base = choices[pick].nll + base_margin * choices[pick].base_se <= choices[base].nll  # a tie: the pick
+    return pick if beats_base else base
 
 
 def rivals_of(x: Tensors, v: Tensors, rounds: tuple[int, int]) -> list[tuple[Choice, Tensors]]:
@@ -217,7 +234,7 @@ def _choose(
     kept_first: bool = False,
 ) -> Validation:
     """Score the candidates on the slice, each gap's standard error against the first (``rivals[0]``, or
-    the kept best when ``kept_first``), and keep :func:`deployable`'s pick."""
+    the kept best when ``kept_first``) and against the base model, and keep :func:`deployable`'s pick."""
     candidates = rivals + ([kept] if kept else [])
     if kept_first:
         candidates = [kept, *rivals]
@@ -228,6 +245,9 @@ def _choose(
         scores.append(messenger_scores(edge, batches))
         choice.nll, choice.exact_match, choice.scored_round = scores[-1].nll, scores[-1].exact_match, bundle_round
         choice.se = paired_se(scores[0], scores[-1]) if len(scores) > 1 else 0.0
+    base = next(s for (c, _), s in zip(candidates, scores, strict=True) if c.messenger == "base")
+    for (choice, _), s in zip(candidates, scores, strict=True):
+        choice.base_se = paired_se(s, base) if choice.messenger != "base" else 0.0
     best, tensors = candidates[deployable([c for c, _ in candidates])]
     return Validation(
         len(val),

@@ -16,7 +16,7 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import BEST_FILE, ClientState
 from ciders_edge.inference.evaluate import backbone_batches
 from ciders_edge.inference.generation import GenerationSettings, generate_batch
-from ciders_edge.inference.personalize import load_personalized, personal_messenger
+from ciders_edge.inference.personalize import _why, load_personalized, personal_messenger
 from ciders_edge.model.forward import messenger_loss, run_backbone
 from ciders_edge.training.validation import Choice, Scores, deployable, messenger_scores, mix, paired_se
 
@@ -126,6 +126,27 @@ def test_the_margin_counts_standard_errors():
     assert [choices[deployable(choices, m)].messenger for m in (0.0, 1.0, 2.0)] == ["global", "global", "personalized"]
 
 
+@pytest.mark.parametrize(("base_nll", "deployed"), [(1.015, "base"), (1.03, "personalized"), (0.99, "base")])
+def test_a_messenger_must_beat_the_base_model_by_its_standard_error_too(base_nll, deployed):
+    """Where training barely helps, a slice's noise can favour a messenger that held-out records score worse
+    than the model the device started from: it deploys only when it beats the base model by more than the
+    standard error of that gap (0.02 here), else the base model does."""
+    choices = [Choice("personalized", 3, nll=1.0, base_se=0.02), Choice("base", -1, nll=base_nll, se=0.02)]
+    assert choices[deployable(choices)].messenger == deployed
+    without_the_test = "base" if base_nll < 1.0 - 0.02 else "personalized"  # the base model as one more rival
+    assert choices[deployable(choices, base_margin=None)].messenger == without_the_test
+
+
+def test_infer_says_when_the_base_model_won_by_the_noise():
+    best = {"messenger": "base", "round": -1, "nll": 1.015, "se": 0.02, "records": 8, "scored_round": 3}
+    scores = {"personalized": {"nll": 1.0}, "global": {"nll": 1.1}, "base": {"nll": 1.015}}
+    why = _why(best, scores)
+    assert why.startswith("the base model's messenger layers, chosen on 8 held-out records in round 3: NLL 1.0150")
+    assert why.endswith("as no messenger beat it by more than 1x the standard error of the gap")
+    ahead = "ahead of the personalized one by more than its standard error 0.0200"
+    assert _why({**best, "nll": 0.9}, scores).endswith(ahead)  # ahead of every messenger: the old reason
+
+
 @pytest.fixture(scope="module")
 def mixed(tiny_run, demo_dir, tmp_path_factory):
     """A state whose round (a step far too large) made the personalized messenger worse than the global one:
@@ -146,14 +167,18 @@ def test_train_scores_every_candidate_and_the_state_keeps_the_best(mixed):
     assert set(nll) == {"base", "global", "personalized", "mix_0.25", "mix_0.5", "mix_0.75"}
     se = {k: summary.get(f"val_se_{k}", 0.0) for k in nll}
     assert 0 < se["global"] < nll["personalized"] - nll["global"]  # a step of 30 is far beyond the slice's noise
+    state = ClientState.load(state_dir)
+    assert {k: s["nll"] for k, s in state.validation.items()} == nll
     best = min(nll, key=lambda k: nll[k] + se[k])
+    if nll[best] + state.validation[best]["base_se"] > nll["base"]:  # not beyond the noise of the base model's
+        best = "base"
     assert summary["val_records"] == 8 and summary["deployed_nll"] == nll[best] < nll["personalized"]
     assert summary["val_seconds"] > 0 and summary["train_seconds"] > 0  # the slice's cost, beside training's
-    state = ClientState.load(state_dir)
-    assert state.best_info["nll"] == nll[best] and state.best_info["round"] == 0
-    assert {k: s["nll"] for k, s in state.validation.items()} == nll
+    assert state.best_info["nll"] == nll[best] and state.best_info["round"] == (-1 if best == "base" else 0)
     v = {k: t.float() for k, t in Bundle.load(bundle).messenger_lora().items()}
-    want = {"global": v, "personalized": state.personalized}.get(best) or mix(state.personalized, v, float(best[4:]))
+    zero = {k: torch.zeros_like(t) for k, t in v.items()}
+    want = {"global": v, "personalized": state.personalized, "base": zero}.get(best)
+    want = want or mix(state.personalized, v, float(best[4:]))
     assert all(torch.allclose(state.best[k], want[k]) for k in v)
 
 
