@@ -118,7 +118,7 @@ def report(args: argparse.Namespace) -> None:
         f"{args.tolerance} nats on >= {SHARE_TARGET:.0%} of clients, worse than the base model on none. Each round has "
         "the study's own evaluation and, where judged, the judge's on more records (`deployed_judge.py`)."
     )
-    path = write_results("deployed_choice", payload, table, header, notes)
+    path = write_results(args.results, payload, table, header, notes)
     print(f"wrote {path}")
 
 
@@ -164,6 +164,7 @@ def main() -> None:
         action="store_true",
         help="clients choose again on each new bundle (simulate --rechoose); new --out",
     )
+    ap.add_argument("--results", default="deployed_choice", help="the results file's name in benchmarks/results")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time box's stop unwinds: grow notes its rounds

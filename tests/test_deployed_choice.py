@@ -71,7 +71,7 @@ def test_the_report_shows_the_studys_rows_and_the_judges(study, tmp_path, monkey
     deployed_judge.judge_round(study, FAST["eval_examples"])  # None where the test above judged it
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
     args = deployed_choice.argparse.Namespace(out=study.parents[1], settings="partial", val_fraction=0.1,
-                                              tolerance=0.01)  # fmt: skip
+                                              tolerance=0.01, results="deployed_choice")  # fmt: skip
     deployed_choice.report(args)
     rows = [r.split(" | ") for r in (tmp_path / "results" / "deployed_choice.md").read_text().splitlines()
             if r.startswith("| partial |")]  # fmt: skip

@@ -22,7 +22,6 @@ from ciders_edge.model.adapfu import load_adapfu
 from ciders_edge.model.quantized import is_quantized
 from ciders_edge.profiles import BACKBONES
 from ciders_edge.tensors import Tensors
-from ciders_edge.training.validation import BASE_MARGIN
 
 __all__ = [
     "Source",
@@ -167,7 +166,7 @@ def _evidence(best: dict, scores: dict) -> str:
     se = best.get("se")
     margin = f", ahead of the personalized one by more than its standard error {se:.4f}" if se else ""
     if best["messenger"] == "base" and any(s["nll"] < best["nll"] for s in scores.values()):
-        margin = f", as no messenger beat it by more than {BASE_MARGIN:g}x the standard error of the gap"
+        margin = ", as no messenger beat it beyond the standard error of the gap"  # validation.BASE_MARGIN's test
     return f"{where}: NLL {best['nll']:.4f}" + (f", against {rivals}" if rivals else "") + margin  # inside infer's ( )
 
 

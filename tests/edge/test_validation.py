@@ -142,7 +142,7 @@ def test_infer_says_when_the_base_model_won_by_the_noise():
     scores = {"personalized": {"nll": 1.0}, "global": {"nll": 1.1}, "base": {"nll": 1.015}}
     why = _why(best, scores)
     assert why.startswith("the base model's messenger layers, chosen on 8 held-out records in round 3: NLL 1.0150")
-    assert why.endswith("as no messenger beat it by more than 1x the standard error of the gap")
+    assert why.endswith("as no messenger beat it beyond the standard error of the gap")
     ahead = "ahead of the personalized one by more than its standard error 0.0200"
     assert _why({**best, "nll": 0.9}, scores).endswith(ahead)  # ahead of every messenger: the old reason
 
