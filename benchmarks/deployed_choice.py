@@ -105,7 +105,7 @@ def report(args: argparse.Namespace) -> None:
             if t in rounds:
                 table.append(_row(setting, t, f"study ({study_records(out)})", rounds[t]))
             if t in verdicts:
-                table.append(_row(setting, t, f"judge ({judge[t]['records']})", verdicts[t]))
+                table.append(_row(setting, t, f"judge ({judged_records(judge[t])})", verdicts[t]))
     header = [
         "setting", "round", "scored by (eval records a client)", "clients deploying", "deployed NLL",
         "latest personalized", "global", "base model", f"within {args.tolerance} of min(latest, global)",
@@ -120,6 +120,15 @@ def report(args: argparse.Namespace) -> None:
     )
     path = write_results(args.results, payload, table, header, notes)
     print(f"wrote {path}")
+
+
+def judged_records(verdict: dict) -> str:
+    """The records the judge scored a client: ``--judge-records``, or the range its clients' eval sets held
+    where they are smaller (Dirichlet clients hold a few)."""
+    held = sorted({c.get("records", verdict["records"]) for c in verdict["clients"].values()})
+    if held[-1] >= verdict["records"]:
+        return str(verdict["records"])
+    return "-".join(map(str, sorted({held[0], held[-1]})))
 
 
 def study_records(out: Path) -> int | str:
