@@ -126,9 +126,9 @@ def judged_records(verdict: dict) -> str:
     """The records the judge scored a client: ``--judge-records``, or the range its clients' eval sets held
     where they are smaller (Dirichlet clients hold a few)."""
     held = sorted({c.get("records", verdict["records"]) for c in verdict["clients"].values()})
-    if held[-1] >= verdict["records"]:
-        return str(verdict["records"])
-    return "-".join(map(str, sorted({held[0], held[-1]})))
+    if held[-1] >= verdict["records"] or held[0] == held[-1]:
+        return str(held[-1])
+    return f"{held[0]}-{held[-1]}"
 
 
 def study_records(out: Path) -> int | str:

@@ -91,13 +91,14 @@ def pick(cands: list[dict], reference: str | None, margin: float, base_margin: f
     if reference is None:
         return by_name["kept"]
     ordered = [by_name[reference]] + [c for c in cands if c["name"] != reference]
-    ref, base = _scores(ordered[0]), _scores(by_name["base"])
+    scores = [_scores(c) for c in ordered]
+    base = scores[ordered.index(by_name["base"])]
     choices = [
         Choice(
-            c["name"] if c["name"] == "base" else "messenger", 0, nll=c["slice"],
-            se=paired_se(ref, _scores(c)) if i else 0.0, base_se=paired_se(_scores(c), base),
+            "base" if c["name"] == "base" else "messenger", 0, nll=c["slice"],
+            se=paired_se(scores[0], s), base_se=paired_se(s, base),
         )
-        for i, c in enumerate(ordered)
+        for c, s in zip(ordered, scores, strict=True)
     ]  # fmt: skip
     return ordered[deployable(choices, margin, base_margin)]
 
@@ -124,8 +125,10 @@ def main() -> None:
     ap = judge_parser(__doc__.splitlines()[0])
     ap.add_argument("--saved", type=Path, help="a results JSON of this benchmark: judge the rules on its figures")
     args = ap.parse_args()
-    saved = json.loads(args.saved.read_text())["clients"] if args.saved else None
-    clients = saved or study_candidates(args.study, args.judge_records)
+    if args.saved:
+        clients = json.loads(args.saved.read_text())["clients"]
+    else:
+        clients = study_candidates(args.study, args.judge_records)
     rows = [judge_rule(clients, rule, args.tolerance) for rule in ((None, 0.0, None), *RULES)]
     table = [[_label(r), (c := cells(r))[0], f"{r['stale_within']}/{r['stale']}", *c[1:]] for r in rows]
     header = [
