@@ -123,8 +123,8 @@ def report(args: argparse.Namespace) -> None:
 
 
 def judged_records(verdict: dict) -> str:
-    """The records the judge scored a client: ``--judge-records``, or the range its clients' eval sets held
-    where they are smaller (Dirichlet clients hold a few)."""
+    """The records the judge scored a client: ``--judge-records``, or the range its clients held where fewer
+    (a study judged before eval sets were topped up, or a client whose partition runs short)."""
     held = sorted({c.get("records", verdict["records"]) for c in verdict["clients"].values()})
     if held[-1] >= verdict["records"] or held[0] == held[-1]:
         return str(held[-1])
@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="tiny for a quick try of the script")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--judge-records", type=int, default=64, help="eval records a client judged (0: none)")
+    ap.add_argument("--judge-records", type=int, default=64, help="held-out records a client judged (0: none)")
     ap.add_argument(
         "--rechoose",
         action="store_true",

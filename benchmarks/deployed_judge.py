@@ -10,6 +10,10 @@ paired standard error (:func:`ciders_edge.training.validation.paired_se`, the de
 A client not sampled in the last rounds chose against the global messenger of the bundle it last trained
 from, and has not seen the newer ones: beside the issue's gap (to the newest global) the judge gives the gap
 to the better of {latest personalized, the global the device holds}.
+
+A client whose eval set holds fewer than ``records`` (the Dirichlet settings hold out 10% of 64 records: 6) is
+judged on it topped up with records of its own partition that the study's cap left out
+(:func:`judge_records`): drawn from the client's own category mix, and in no client's data nor TAKD's.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.round_loop import evaluated_after
+from ciders_cloud.study.simulate import client_ids, client_records
 from ciders_edge.data.holdout import hold_out
-from ciders_edge.data.records import Example, load_examples
-from ciders_edge.formats.atomic import write_json
+from ciders_edge.data.records import Example, load_examples, read_jsonl
+from ciders_edge.formats.atomic import write_json, write_jsonl
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.inference.evaluate import backbone_batches
@@ -38,7 +43,16 @@ from ciders_edge.progress import progress_bar
 from ciders_edge.training.round import round_hyperparams
 from ciders_edge.training.validation import Scores, messenger_scores, paired_se
 
-__all__ = ["JUDGED", "StudyClients", "judge_parser", "client_states", "judge_round", "judged", "open_study"]
+__all__ = [
+    "JUDGED",
+    "StudyClients",
+    "judge_parser",
+    "client_states",
+    "judge_records",
+    "judge_round",
+    "judged",
+    "open_study",
+]
 
 JUDGED = "deployed_judge"  # in each study: round-NNNN.json, one per judged round
 
@@ -59,6 +73,36 @@ def client_states(study: StudyFolder) -> dict[str, ClientState]:
     root = study.root / "clients"
     ids = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
     return {c: s for c in ids if (s := ClientState.load(study.client_state(c))) is not None and s.best}
+
+
+def judge_records(study: StudyFolder, cfg: SimConfig, records: int) -> dict[str, Path]:
+    """Each client's held-out records to judge it on, by id: its eval set where that holds ``records``, else
+    (written once, to ``JUDGED/records/``) its eval set and then the records of its own partition past the
+    study's ``max_records``, less any record some client trains or evaluates on or TAKD's data holds; twice
+    ``records`` of those at most, as a few may be too long to score."""
+    ids = client_ids(cfg.clients)
+    paths = {c: study.eval_data(c) for c in ids}
+    short = [c for c in ids if len(read_jsonl(paths[c])) < records]
+    if not short or not cfg.max_records:
+        return paths
+    parts, _ = client_records(cfg)
+    public = Path(cfg.public_data) if cfg.public_data else study.public_data
+    used = {_key(r) for f in [*paths.values(), *map(study.train_data, ids), public] for r in read_jsonl(f)}
+    for cid in short:
+        path = paths[cid] = study.root / JUDGED / "records" / f"{cid}.jsonl"
+        if not path.is_file():
+            unused = [r for r in parts[ids.index(cid)][cfg.max_records :] if _key(r) not in used]
+            write_jsonl(path, [_clean(r) for r in read_jsonl(study.eval_data(cid)) + unused[: 2 * records]])
+    return paths
+
+
+def _key(record: dict) -> str:
+    return json.dumps(_clean(record), sort_keys=True)
+
+
+def _clean(record: dict) -> dict:
+    """A record without ``read_jsonl``'s ``_where`` (the line it came from)."""
+    return {k: v for k, v in record.items() if k != "_where"}
 
 
 def judge_parser(description: str) -> argparse.ArgumentParser:
@@ -87,13 +131,14 @@ class StudyClients:
         """(client id, state, validation slice, judge batches), with a progress bar."""
         study, edge, judged = self.study, self.edge, {}
         states = client_states(study)
+        judged_on = judge_records(study, self.cfg, self.judge_records)
         with progress_bar() as bar:
             task = bar.add_task("candidates", total=len(states), metrics="")
             for cid, state in states.items():
                 examples = load_examples(study.train_data(cid), edge.tokenizer, self.seq_len)
-                digest = hashlib.sha256(study.eval_data(cid).read_bytes()).hexdigest()
+                digest = hashlib.sha256(judged_on[cid].read_bytes()).hexdigest()
                 if digest not in judged:
-                    records = load_examples(study.eval_data(cid), edge.tokenizer, 512)[: self.judge_records]
+                    records = load_examples(judged_on[cid], edge.tokenizer, 512)[: self.judge_records]
                     judged[digest] = backbone_batches(edge, records)
                 yield cid, state, hold_out(examples, self.cfg.val_fraction)[1], judged[digest]
                 bar.update(task, advance=1, metrics=cid)
@@ -113,6 +158,7 @@ def judge_round(out: Path, records: int, device: str = "cpu") -> Path | None:
     edge = load_adapfu(Bundle.load(study.run.bundle(cfg.profile, done)))  # the newest global messenger
     edge.model.to(device)
     v = dict(edge.bundle.messenger_lora())
+    judged_on = judge_records(study, cfg, records)
     shared: dict[str, tuple] = {}  # by eval data: its batches, the global's and the base model's scores
     clients = {}
     with progress_bar() as bar:  # minutes on SmolLM2: two messengers a client, two more per eval set
@@ -120,7 +166,7 @@ def judge_round(out: Path, records: int, device: str = "cpu") -> Path | None:
         for cid, state in states.items():
             stale = state.round + 1 < done  # not sampled since: it chose against an older global messenger
             held = Bundle.load(study.run.bundle(cfg.profile, state.round)).messenger_lora() if stale else None
-            clients[cid] = _judge(edge, (v, held), study.eval_data(cid), state, records, shared)
+            clients[cid] = _judge(edge, (v, held), judged_on[cid], state, records, shared)
             bar.update(task, advance=1, metrics=cid)
     write_json(path, {"round": done - 1, "records": records, "clients": clients})
     return path
@@ -129,7 +175,7 @@ def judge_round(out: Path, records: int, device: str = "cpu") -> Path | None:
 def _judge(
     edge, globals_: tuple[dict, dict | None], eval_data: Path, state: ClientState, records: int, shared: dict
 ) -> dict:
-    """One client's four messengers on its eval records (the global's and the base's shared by its data);
+    """One client's four messengers on its judge's records (the global's and the base's shared by its data);
     ``globals_``: the newest global messenger and, for a stale client, the one its last round trained from."""
     v, held = globals_
     digest = hashlib.sha256(eval_data.read_bytes()).hexdigest()

@@ -67,6 +67,37 @@ def test_the_judge_on_the_studys_records_agrees_with_its_evaluation(study):
     assert deployed_judge.judge_round(study, FAST["eval_examples"]) is None  # a round is judged once
 
 
+def test_a_client_short_of_eval_records_is_judged_on_records_past_the_cap_no_one_holds(demo_dir, tmp_path):
+    """Capped at 14 records, each client holds out one. The judge tops it up to twice 4 with records of the
+    client's own file past the cap, less those any client trains or evaluates on: client 0's file holds every
+    record twice, so some past its cap are copies of records it trains on."""
+    from ciders_cloud.run.folder import StudyFolder
+    from ciders_cloud.study.simulate import client_ids, client_records, write_client_data
+    from ciders_edge.data.records import read_jsonl
+
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text((demo_dir / "arithmetic" / "train.jsonl").read_text() * 2)
+    cfg = fast_study(demo_dir, max_records=14)
+    cfg = cfg.replace(data=[str(twice), *cfg.data[1:]])
+    study, ids = StudyFolder(tmp_path / "study"), client_ids(cfg.clients)
+    write_client_data(cfg, study, ids)
+    paths = deployed_judge.judge_records(study, cfg, 4)
+
+    def key(record):
+        return json.dumps({k: v for k, v in record.items() if k != "_where"}, sort_keys=True)
+
+    def keys(path):
+        return [key(r) for r in read_jsonl(path)]
+
+    held = {k for c in ids for f in (study.train_data(c), study.eval_data(c)) for k in keys(f)}
+    assert any(key(r) in held for r in client_records(cfg)[0][0][14:])  # copies of its records lie past the cap
+    for cid, source in zip(ids, cfg.data, strict=True):
+        judged = keys(paths[cid])
+        assert len(judged) == 1 + 8 and judged[:1] == keys(study.eval_data(cid))
+        assert set(judged) <= set(keys(source)) and not set(judged[1:]) & held
+    assert deployed_judge.judge_records(study, cfg, 1) == {c: study.eval_data(c) for c in ids}  # enough held out
+
+
 def test_the_report_shows_the_studys_rows_and_the_judges(study, tmp_path, monkeypatch):
     deployed_judge.judge_round(study, FAST["eval_examples"])  # None where the test above judged it
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")

@@ -36,7 +36,7 @@ from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import write_json, write_jsonl
 from ciders_edge.hyperparams import RoundHyperparams
 
-__all__ = ["SimConfig", "simulate", "prepare_study", "client_ids"]
+__all__ = ["SimConfig", "simulate", "prepare_study", "client_ids", "client_records", "write_client_data"]
 
 
 def client_ids(n: int) -> list[str]:
@@ -88,7 +88,7 @@ def prepare_study(
 def _build_study(cfg: SimConfig, study: StudyFolder, device: torch.device) -> tuple[list[str], dict[str, str]]:
     write_json(study.config, cfg.to_dict())
     ids = client_ids(cfg.clients)
-    domains = _materialize_data(cfg, study, ids)
+    domains = write_client_data(cfg, study, ids)
     run = with_noise(check_run(_run_config(cfg, ids, study)))  # refused, or epsilon's noise solved, before the model
     if (release := PrivateRelease.of(run)) is not None:  # before the model loads: the budget must last the rounds
         release.check_rounds(cfg.rounds)
@@ -96,8 +96,9 @@ def _build_study(cfg: SimConfig, study: StudyFolder, device: torch.device) -> tu
     return ids, domains
 
 
-def _materialize_data(cfg: SimConfig, study: StudyFolder, ids: list[str]) -> dict[str, str]:
-    """Write each client's train/eval JSONL; returns each client's domain label (for the NLL matrix)."""
+def client_records(cfg: SimConfig) -> tuple[list[list[dict]], list[str]]:
+    """Each client's records in the order it takes them (``max_records`` keeps the first, its eval set the
+    first of those) and its domain label: the partition, each part shuffled by the study's seed."""
     if cfg.partition == "per-file":
         if len(cfg.data) != cfg.clients:
             raise ConfigError(f"per-file partition needs one --data file per client: {len(cfg.data)} for {cfg.clients}")
@@ -108,11 +109,18 @@ def _materialize_data(cfg: SimConfig, study: StudyFolder, ids: list[str]) -> dic
         parts = partition(records, cfg.clients, cfg.partition, cfg.seed)
         labels = [_label(p, f"part-{i}") for i, p in enumerate(parts)]
     rng = random.Random(cfg.seed)
+    parts = [list(p) for p in parts]
+    for part in parts:
+        rng.shuffle(part)
+    return parts, labels
+
+
+def write_client_data(cfg: SimConfig, study: StudyFolder, ids: list[str]) -> dict[str, str]:
+    """Write each client's train/eval JSONL; returns each client's domain label (for the NLL matrix)."""
+    parts, labels = client_records(cfg)
     public = []
     evals = [read_jsonl(f) for f in cfg.eval_data] or [None] * len(parts)
     for cid, part, held in zip(ids, parts, evals, strict=True):
-        part = list(part)
-        rng.shuffle(part)
         if cfg.max_records:
             part = part[: cfg.max_records]
         if held is None:  # hold out a share of the client's own records
