@@ -30,7 +30,7 @@ from ciders_edge.errors import DataError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.inference.generation import ANSWER_BATCH, GenerationSettings, generate_batch
 from ciders_edge.model.adapemu import EdgeModel
-from ciders_edge.model.forward import BackboneBatch, messenger_loss, run_backbone
+from ciders_edge.model.forward import BackboneBatch, response_scores, run_backbone
 
 __all__ = [
     "backbone_batches",
@@ -78,7 +78,7 @@ def messenger_nll(edge: EdgeModel, batches: list[BackboneBatch]) -> float:
     edge.model.eval()
     total, count = 0.0, 0
     for b in batches:
-        total += float(messenger_loss(edge.model, b, edge.split.n_kept, reduction="sum"))
+        total += float(response_scores(edge.model, b, edge.split.n_kept)[0].sum())
         count += b.targets.numel()
     return total / max(count, 1)
 

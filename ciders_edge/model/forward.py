@@ -38,7 +38,11 @@ __all__ = [
     "BackboneBatch",
     "run_backbone",
     "messenger_loss",
+    "HEAD_ROWS",
+    "response_scores",
 ]
+
+HEAD_ROWS = 128  # response positions a scoring pass runs the LM head on at once
 
 
 @dataclass
@@ -187,9 +191,30 @@ def messenger_logits(
     hidden = run_layers(model, hidden, ctx, start, len(decoder.layers), checkpoint)
     if positions is not None:
         hidden = hidden[positions]  # (N, H)
-    logits = _base(model).lm_head(decoder.norm(hidden))
-    cap = getattr(decoder.config, "final_logit_softcapping", None)
+    return _head(model, decoder.norm(hidden))
+
+
+def _head(model: torch.nn.Module, normed: Tensor) -> Tensor:
+    """The LM head on final-normed hidden states (and a family's logit soft-cap)."""
+    logits = _base(model).lm_head(normed)
+    cap = getattr(decoder_of(model).config, "final_logit_softcapping", None)
     return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+@torch.no_grad()
+def response_scores(model: torch.nn.Module, bb: BackboneBatch, start: int) -> tuple[Tensor, Tensor]:
+    """Each response position's cross-entropy under the messenger now loaded, and whether greedy decoding
+    picks its target. The LM head runs :data:`HEAD_ROWS` positions at a time: scoring never holds more than
+    (HEAD_ROWS, vocab) logits, where all of a slice's at once (8 records of 256 tokens, Qwen's 152k
+    vocabulary) would be 1.2 GB, and as much again for their softmax, on a device training in 2."""
+    decoder = decoder_of(model)
+    normed = decoder.norm(run_layers(model, bb.hidden, bb.ctx, start, len(decoder.layers))[bb.positions])
+    losses, right = [], []
+    for rows in zip(normed.split(HEAD_ROWS), bb.targets.split(HEAD_ROWS), strict=True):
+        logits, targets = _head(model, rows[0]).float(), rows[1]
+        losses.append(F.cross_entropy(logits, targets, reduction="none"))
+        right.append(logits.argmax(-1) == targets)
+    return torch.cat(losses), torch.cat(right)
 
 
 def response_positions(labels: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:

@@ -21,12 +21,11 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ciders_edge.data.records import Example
 from ciders_edge.inference.evaluate import backbone_batches
 from ciders_edge.model.adapemu import EdgeModel
-from ciders_edge.model.forward import BackboneBatch, messenger_logits
+from ciders_edge.model.forward import BackboneBatch, response_scores
 from ciders_edge.tensors import Tensors
 
 __all__ = [
@@ -76,10 +75,8 @@ def messenger_scores(edge: EdgeModel, batches: list[BackboneBatch]) -> Scores:
     eos = torch.tensor(_eos_ids(edge))
     record_nll, record_tokens, hits, short = [], [], 0, 0
     for b in batches:
-        logits = messenger_logits(edge.model, b.hidden, b.ctx, edge.split.n_kept, b.positions).float()
-        losses = F.cross_entropy(logits, b.targets, reduction="none").cpu()
+        losses, right = (t.cpu() for t in response_scores(edge.model, b, edge.split.n_kept))
         targets, rows = b.targets.cpu(), b.positions[0].cpu()
-        right = logits.argmax(-1).cpu() == targets
         for row in rows.unique():
             mine = rows == row
             record_nll.append(losses[mine].sum())

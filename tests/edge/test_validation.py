@@ -10,13 +10,14 @@ from typer.testing import CliRunner
 from ciders_cloud.fleet.coordinator import edge_report, validation_line
 from ciders_edge.cli import app as edge_app
 from ciders_edge.data.holdout import hold_out, validation_size
-from ciders_edge.data.records import Example, collate, encode, read_examples, record_key
+from ciders_edge.data.records import Example, collate, encode, load_examples, read_examples, record_key
 from ciders_edge.errors import ConfigError, StateError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import BEST_FILE, ClientState
 from ciders_edge.inference.evaluate import backbone_batches
 from ciders_edge.inference.generation import GenerationSettings, generate_batch
 from ciders_edge.inference.personalize import _why, load_personalized, personal_messenger
+from ciders_edge.model import forward
 from ciders_edge.model.forward import messenger_loss, run_backbone
 from ciders_edge.training.validation import Choice, Scores, deployable, messenger_scores, mix, paired_se
 
@@ -95,6 +96,25 @@ def test_teacher_forced_exact_match_is_greedy_decodings(tiny_run):
         want = torch.cat([messenger_loss(edge.model, b, edge.split.n_kept, reduction="none") for b in batches])
     assert nll == pytest.approx(float(want.mean()), rel=1e-6)
     assert len(record_nll) == 3 and float(record_nll.sum() / record_tokens.sum()) == pytest.approx(nll, rel=1e-12)
+
+
+def test_scoring_runs_the_lm_head_a_chunk_of_positions_at_a_time(tiny_run, demo_dir, monkeypatch):
+    """A slice's logits are never held all at once (at Qwen's vocabulary, 8 records' would be 1.2 GB): with
+    chunks of 5 positions the LM head sees 5 rows at most and every position once, and the scores are those
+    of one pass over them all."""
+    edge, _ = load_personalized(Bundle.load(tiny_run[0] / "bundles" / "cpu-laptop" / "round-0000"), None, "global")
+    batches = backbone_batches(edge, load_examples(demo_dir / "dates" / "eval.jsonl", edge.tokenizer, 128)[:4])
+    positions = sum(b.targets.numel() for b in batches)
+    assert 5 < positions <= forward.HEAD_ROWS  # one chunk by default
+    whole = messenger_scores(edge, batches)
+    rows = []
+    hook = edge.model.get_base_model().lm_head.register_forward_hook(lambda m, i, o: rows.append(len(i[0])))
+    monkeypatch.setattr(forward, "HEAD_ROWS", 5)
+    chunked = messenger_scores(edge, batches)
+    hook.remove()
+    assert max(rows) == 5 and sum(rows) == positions
+    assert torch.allclose(chunked.record_nll, whole.record_nll, rtol=1e-6, atol=0)
+    assert (chunked.exact_match, chunked.short) == (whole.exact_match, whole.short)
 
 
 def _scores(record_nll: list[float], tokens: list[int]) -> Scores:
