@@ -63,8 +63,11 @@ from scaling_report import (  # noqa: E402
     REAL_WEIGHTS,
     TEST_MODELS,
     TRAIN,
+    VALIDATED,
     Store,
 )
+
+from ciders_edge.data.holdout import VAL_FRACTION  # noqa: E402  (no torch: train's default slice)
 
 PROMPT = "Explain in a few sentences why a small language model can run on a phone."
 
@@ -93,10 +96,12 @@ def ensure_run(job: Job, place: Path, key: str, profiles: dict[str, str]) -> boo
     return True
 
 
-def measure_train(job: Job, place: Path, key: str, profile: str, frozen: str | None, ckpt: bool | None) -> None:
+def measure_train(
+    job: Job, place: Path, key: str, profile: str, frozen: str | None, ckpt: bool | None, val_fraction: float = 0.0
+) -> None:
     """One ``train`` child on ``place``'s bundle for ``profile``; its packet is kept (``aggregate`` sends it).
     Recorded when due (it also runs to remake a packet for a run prepared again)."""
-    settings = train_settings(job.args, profile, frozen, ckpt)
+    settings = train_settings(job.args, profile, frozen, ckpt, val_fraction)
     (place / "packets").mkdir(exist_ok=True)
     spec = {
         "bundle": str(place / "run" / "bundles" / profile / "round-0000"),
@@ -105,6 +110,7 @@ def measure_train(job: Job, place: Path, key: str, profile: str, frozen: str | N
         "steps": job.args.steps,
         "frozen_weights": frozen,
         "checkpointing": ckpt,
+        "val_fraction": val_fraction,
         "packet": str(packet_path(place, key)),
         "client_id": "edge-" + key.split("/", 1)[1].replace("/", "-"),  # one client per variant: one round
     }
@@ -218,21 +224,28 @@ def measure_llama_bench(job: Job, place: Path, plan: dict) -> None:
 
 
 def measure_profiles(job: Job) -> None:
-    """The device profiles' own splits and shapes, one run per profile (its storages share the split)."""
+    """The device profiles' own splits and shapes, one run per profile (its storages share the split): the
+    local steps alone, and (``+val``) the round as ``train`` runs it, its messengers chosen after the steps."""
     if job.name not in job.args.profile_models and "all" not in job.args.profile_models:
         return
     for base, storages in PROFILES.items():
+        if base not in job.args.profiles:
+            continue
         own = {} if job.args.profile_dtype == "own" else {"dtype": job.args.profile_dtype}
         tomls = {s: profile_toml(job.args, f"{base}-{s}", base, storage=s, **own) for s in storages}
-        keys = {s: f"profile/{base}/{s}" for s in storages}
-        wanted = {s: k for s, k in keys.items() if job.due(k, train_settings(job.args, tomls[s], None, None))}
+        variants = {
+            f"profile/{base}/{s}{v}": (s, f) for s in storages for v, f in (("", 0.0), (VALIDATED, VAL_FRACTION))
+        }
+        wanted = {
+            k: v for k, v in variants.items() if job.due(k, train_settings(job.args, tomls[v[0]], None, None, v[1]))
+        }
         if not wanted:
             continue
         place = job.work / f"profile-{base}"
         if not ensure_run(job, place, f"profile/{base}/prepare", tomls):
             continue
-        for storage, key in wanted.items():
-            measure_train(job, place, key, tomls[storage], None, None)
+        for key, (storage, fraction) in wanted.items():
+            measure_train(job, place, key, tomls[storage], None, None, fraction)
 
 
 def run_model(args, store: Store, name: str) -> None:
@@ -341,6 +354,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per generation")
     ap.add_argument("--repeats", type=int, default=3, help="generations per runtime (medians)")
     ap.add_argument("--profile-models", default="smollm2-1.7b", help="models the profiles run for ('all')")
+    ap.add_argument("--profiles", default=",".join(PROFILES), help="the device profiles measured there")
     ap.add_argument(
         "--profile-dtype",
         default="float32",
@@ -354,6 +368,9 @@ def parse() -> argparse.Namespace:
     args.command = " ".join(shlex.quote(a) for a in sys.argv)
     args.only = set(args.only.split(","))
     args.profile_models = set(args.profile_models.split(","))
+    args.profiles = set(args.profiles.split(","))
+    if unknown := args.profiles - set(PROFILES):
+        ap.error(f"--profiles: unknown {sorted(unknown)}; choose from {', '.join(PROFILES)}")
     if unknown := args.only - set(GROUPS):
         ap.error(f"--only: unknown {sorted(unknown)}; choose from {', '.join(GROUPS)}")
     if unknown := set(args.models.split(",")) - {*MODELS, *EXTRA_MODELS}:

@@ -121,7 +121,7 @@ def train(spec: dict) -> dict:
         on_step=lambda _metrics: stamps.append(time.perf_counter()),
         frozen_weights=spec["frozen_weights"],
         gradient_checkpointing=spec["checkpointing"],
-        val_fraction=spec.get("val_fraction", 0.0),  # the local steps alone, as the rows measured before validation
+        val_fraction=spec.get("val_fraction", 0.0),  # 0: the local steps alone, as the rows measured before it
     )
     with tempfile.TemporaryDirectory(prefix="ciders-scaling-") as tmp:
         out = train(spec["bundle"], spec["data"], Path(tmp) / "state", spec["packet"], options)
@@ -134,6 +134,7 @@ def train(spec: dict) -> dict:
         "packet_int8_bytes": len(replace(packet, codec="int8").to_bytes()),
         "loss_first": out.summary["loss_first"],
         "loss_last": out.summary["loss_last"],
+        "val_seconds": out.summary.get("val_seconds"),  # the choice after the steps, where there is a slice
     }
 
 

@@ -143,13 +143,17 @@ def data_name(path: Path) -> str:
     return str(path.relative_to(common.DATA)) if path.is_relative_to(common.DATA) else str(path)
 
 
-def train_settings(args, profile: str, frozen: str | None, checkpointing: bool | None) -> dict:
-    """What a train measurement depends on; ``None`` frozen weights or checkpointing: the profile's own."""
+def train_settings(
+    args, profile: str, frozen: str | None, checkpointing: bool | None, val_fraction: float = 0.0
+) -> dict:
+    """What a train measurement depends on; ``None`` frozen weights or checkpointing: the profile's own;
+    ``val_fraction`` only where there is a validation slice (the rows measured before it stay as stored)."""
     fields = profile_fields(args, profile)
     frozen = frozen or fields.get("frozen_weights", "quantized")
     checkpointing = fields.get("gradient_checkpointing", False) if checkpointing is None else checkpointing
     data = {"data": data_name(args.data), "records": args.records, "steps": args.steps, "storage": fields["storage"]}
-    return {**split_settings(args, profile), **data, "frozen_weights": frozen, "checkpointing": checkpointing}
+    held = {"val_fraction": val_fraction} if val_fraction else {}
+    return {**split_settings(args, profile), **data, "frozen_weights": frozen, "checkpointing": checkpointing, **held}
 
 
 def packet_path(place: Path, key: str) -> Path:

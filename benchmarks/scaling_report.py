@@ -33,6 +33,9 @@ TRAIN = {
 PEFT = {"plain": False, "ckpt": True}  # peft/<variant>: plain PEFT LoRA on the full fp32 model; checkpointing
 # profile/<name>/<storage>: the device profiles the targets name, each with its own depth, drop, seq and batch
 PROFILES = {"rpi5-8gb": ("int8", "int4"), "jetson-orin-nano-8gb": ("int8", "int4"), "cpu-laptop": ("int8",)}
+# profile/<name>/<storage>+val: the round as ``train`` runs it by default, its messengers chosen after the steps
+# on a validation slice (ciders_edge.data.holdout.VAL_FRACTION) and on the backbone the device deploys
+VALIDATED = "+val"
 RUNTIMES = ("genai-int8", "llamacpp-q8_0")  # the default runtime beside llama.cpp, on the same merged weights
 GROUPS = ("prepare", "train", "peft", "aggregate", "decode", "infer", "profiles", "llama-bench")
 PEFT_FULL_GIB = 14.3  # issue 57: plain PEFT LoRA on the whole SmolLM2-1.7B at cpu-laptop's shape
@@ -205,8 +208,8 @@ def profile_rows(models: dict[str, dict]) -> list[list[str]]:
     rows = []
     for name, m in models.items():
         for profile, storages in PROFILES.items():
-            for storage in storages:
-                e = m.get("measurements", {}).get(f"profile/{profile}/{storage}")
+            for storage, variant in ((s, v) for s in storages for v in ("", VALIDATED)):
+                e = m.get("measurements", {}).get(f"profile/{profile}/{storage}{variant}")
                 if e is not None:
                     rows.append([label(name, m), profile, *_profile_cells(storage, e)])
     return rows
@@ -217,6 +220,8 @@ def _profile_cells(storage: str, e: dict) -> list[str]:
     split = f"{s['messenger_depth']}, {s['drop_ratio']}"
     shape = f"{s['batch_size']} x {s['grad_accum']} x {s['seq_len']}, {s['dtype']}"
     what = f"{storage}, kept quantized" + (", ckpt" if s.get("checkpointing") else "")
+    if s.get("val_fraction"):  # the round as train runs it: the messengers chosen on the deployed backbone
+        what += f", + choice on a {s['val_fraction']:.0%} slice"
     if r is None:
         return [split, shape, what, "refused" if "refused" in e else "failed", "", ""]
     b = r["peak_rss_bytes"]
@@ -254,6 +259,9 @@ def targets(models: dict[str, dict]) -> list[dict]:
         for storage, limit in (("int8", 2.5), ("int4", 1.8)):
             what = f"SmolLM2-1.7B, {profile}: the messenger trains ({storage} frozen weights) in peak RSS"
             out.append(_check(what, gb(peak(s, f"profile/{profile}/{storage}")), "<=", limit, "GB"))
+            if (chosen := peak(s, f"profile/{profile}/{storage}{VALIDATED}")) is not None:
+                what = f"SmolLM2-1.7B, {profile}: `train` as run by default ({storage}; + the deployed choice)"
+                out.append(_check(what, gb(chosen), "<=", limit, "GB"))
     laptop = peak(s, "profile/cpu-laptop/int8")
     out.append(_check("SmolLM2-1.7B, cpu-laptop's split (int8): train peak RSS / the 14.3 GiB of plain PEFT LoRA",
                       _ratio(laptop, PEFT_FULL_GIB * GIB), "<=", 0.35, "x"))  # fmt: skip
