@@ -124,6 +124,7 @@ def _label(r: dict) -> str:
 def main() -> None:
     ap = judge_parser(__doc__.splitlines()[0])
     ap.add_argument("--saved", type=Path, help="a results JSON of this benchmark: judge the rules on its figures")
+    ap.add_argument("--results", default="deployed_rechoice", help="the results file's name in benchmarks/results")
     args = ap.parse_args()
     if args.saved:
         clients = json.loads(args.saved.read_text())["clients"]
@@ -141,7 +142,7 @@ def main() -> None:
         f"on AdapFu with the newest (round {done}) bundle's global messenger, judged on {args.judge_records} "
         "held-out records."
     )
-    print(write_results("deployed_rechoice", {"rows": rows, "clients": clients}, table, header, notes))
+    print(write_results(args.results, {"rows": rows, "clients": clients}, table, header, notes))
 
 
 if __name__ == "__main__":
