@@ -14,6 +14,7 @@ from pathlib import Path
 from statistics import mean
 
 import torch
+import torch.nn.functional as F
 
 from ciders_edge.data.records import (
     Example,
@@ -30,7 +31,7 @@ from ciders_edge.errors import DataError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.inference.generation import ANSWER_BATCH, GenerationSettings, generate_batch
 from ciders_edge.model.adapemu import EdgeModel
-from ciders_edge.model.forward import BackboneBatch, response_scores, run_backbone
+from ciders_edge.model.forward import BackboneBatch, response_logits, run_backbone
 
 __all__ = [
     "backbone_batches",
@@ -78,7 +79,8 @@ def messenger_nll(edge: EdgeModel, batches: list[BackboneBatch]) -> float:
     edge.model.eval()
     total, count = 0.0, 0
     for b in batches:
-        total += float(response_scores(edge.model, b, edge.split.n_kept)[0].sum())
+        for logits, targets in response_logits(edge.model, b, edge.split.n_kept):
+            total += float(F.cross_entropy(logits, targets, reduction="sum"))
         count += b.targets.numel()
     return total / max(count, 1)
 

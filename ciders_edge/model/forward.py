@@ -8,7 +8,7 @@ run on response positions only. The halves compose to exactly the model's own fo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +39,7 @@ __all__ = [
     "run_backbone",
     "messenger_loss",
     "HEAD_ROWS",
-    "response_scores",
+    "response_logits",
 ]
 
 HEAD_ROWS = 128  # response positions a scoring pass runs the LM head on at once
@@ -202,19 +202,15 @@ def _head(model: torch.nn.Module, normed: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def response_scores(model: torch.nn.Module, bb: BackboneBatch, start: int) -> tuple[Tensor, Tensor]:
-    """Each response position's cross-entropy under the messenger now loaded, and whether greedy decoding
-    picks its target. The LM head runs :data:`HEAD_ROWS` positions at a time: scoring never holds more than
-    (HEAD_ROWS, vocab) logits, where all of a slice's at once (8 records of 256 tokens, Qwen's 152k
-    vocabulary) would be 1.2 GB, and as much again for their softmax, on a device training in 2."""
+def response_logits(model: torch.nn.Module, bb: BackboneBatch, start: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """The messenger now loaded's fp32 logits at the response positions and their targets, :data:`HEAD_ROWS`
+    positions at a time: scoring never holds more than (HEAD_ROWS, vocab) logits, where all of a slice's at
+    once (8 records of 256 tokens, Qwen's 152k vocabulary) would be 1.2 GB, and as much again for their
+    softmax, on a device that trains in 2."""
     decoder = decoder_of(model)
     normed = decoder.norm(run_layers(model, bb.hidden, bb.ctx, start, len(decoder.layers))[bb.positions])
-    losses, right = [], []
-    for rows in zip(normed.split(HEAD_ROWS), bb.targets.split(HEAD_ROWS), strict=True):
-        logits, targets = _head(model, rows[0]).float(), rows[1]
-        losses.append(F.cross_entropy(logits, targets, reduction="none"))
-        right.append(logits.argmax(-1) == targets)
-    return torch.cat(losses), torch.cat(right)
+    for rows, targets in zip(normed.split(HEAD_ROWS), bb.targets.split(HEAD_ROWS), strict=True):
+        yield _head(model, rows).float(), targets
 
 
 def response_positions(labels: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:

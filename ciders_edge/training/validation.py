@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ciders_edge.data.records import Example
 from ciders_edge.inference.evaluate import backbone_batches
 from ciders_edge.model.adapemu import EdgeModel
-from ciders_edge.model.forward import BackboneBatch, response_scores
+from ciders_edge.model.forward import BackboneBatch, response_logits
 from ciders_edge.tensors import Tensors
 
 __all__ = [
@@ -75,7 +76,11 @@ def messenger_scores(edge: EdgeModel, batches: list[BackboneBatch]) -> Scores:
     eos = torch.tensor(_eos_ids(edge))
     record_nll, record_tokens, hits, short = [], [], 0, 0
     for b in batches:
-        losses, right = (t.cpu() for t in response_scores(edge.model, b, edge.split.n_kept))
+        chunks = [
+            (F.cross_entropy(logits, t, reduction="none"), logits.argmax(-1) == t)
+            for logits, t in response_logits(edge.model, b, edge.split.n_kept)
+        ]
+        losses, right = (torch.cat(parts).cpu() for parts in zip(*chunks, strict=True))
         targets, rows = b.targets.cpu(), b.positions[0].cpu()
         for row in rows.unique():
             mine = rows == row
