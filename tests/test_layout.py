@@ -48,9 +48,14 @@ def test_the_edge_runtime_never_imports_the_cloud_or_the_exporter():
     assert {m: i for m, i in offenders.items() if i} == {}
 
 
-# what the cloud may use of the edge's training: the equations it shares (eq. 11) and the public entry on files
-# that `simulate` calls as the CLI does; the rest (local steps, objective, round) is the runtime's own
-EDGE_TRAINING_PUBLIC = {"ciders_edge.training.equations", "ciders_edge.training.train"}
+# what the cloud may use of the edge's training: the equations it shares (eq. 11), the fleet's evidence it pools
+# for the deployed choice, and the public entry on files that `simulate` calls as the CLI does; the rest (local
+# steps, objective, round) is the runtime's own
+EDGE_TRAINING_PUBLIC = {
+    "ciders_edge.training.equations",
+    "ciders_edge.training.fleet_evidence",
+    "ciders_edge.training.train",
+}
 
 
 def test_the_cloud_uses_only_the_edges_public_parts():

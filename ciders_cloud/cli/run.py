@@ -176,6 +176,14 @@ def distill(
 def aggregate(
     run: Annotated[Path, typer.Option(help="Run folder.")],
     packets: Annotated[list[Path], typer.Option("--packets", help="Δc packets of this round (repeatable).")],
+    reports: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--reports",
+            help="The edges' `ciders-edge train --json` output (repeatable): their validation, pooled, helps "
+            "each device choose the messenger it deploys.",
+        ),
+    ] = None,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
@@ -195,6 +203,13 @@ def aggregate(
             console.print(f"  AdapEmu fidelity: {Fidelity(**s['fidelity']).describe()}")
         for name, path in s["bundles"].items():
             console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
+        if f := s.get("fleet_choice"):
+            reference = "the global messenger" if f["personalized_gap"] > f["personalized_se"] else "their own"
+            console.print(
+                f"  deployed choice: {f['reports']} edges' validation pooled; personalized − global "
+                f"{f['personalized_gap']:+.4f} ± {f['personalized_se']:.4f} nats (reference: {reference}), "
+                f"deployed − base {f['base_mean']:+.4f}, spread {f['base_var'] ** 0.5:.4f}"
+            )
         if p := s.get("privacy"):
             console.print(
                 f"  differential privacy: {epsilon_text(p)} (noise std {p['noise_std_of_mean']:.3g} on the mean)"
@@ -203,9 +218,11 @@ def aggregate(
     def body() -> dict:
         from ciders_cloud.models.device import cloud_device
         from ciders_cloud.round.aggregate import aggregate_files
+        from ciders_cloud.round.reports import read_reports
 
         where = cloud_device(device)  # refused before the run is locked or read
-        return locked(run, "aggregate", lambda: aggregate_files(run, packets, where))()
+        said = read_reports(reports or [])
+        return locked(run, "aggregate", lambda: aggregate_files(run, packets, where, reports=said))()
 
     run_command(body, as_json, render)
 

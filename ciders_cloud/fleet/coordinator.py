@@ -10,7 +10,6 @@ round closes with the others through :func:`ciders_cloud.round.aggregate.aggrega
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -164,13 +163,15 @@ class Coordinator:
         hp = round_hyperparams_for(self.run, self.round)
         check_packets([received], self.state, self.run, bundle_ids, hp)
 
-    def close_round(self, packets: dict[Edge, bytes]) -> dict:
-        """Aggregate the accepted packets (eq. 11-13, in client-id order) and move to the next round."""
+    def close_round(self, packets: dict[Edge, bytes], reports: dict[str, dict] | None = None) -> dict:
+        """Aggregate the accepted packets (eq. 11-13, in client-id order) and move to the next round;
+        ``reports``: what each edge said of its round, by client id (its validation pools into the next
+        bundles' evidence for the deployed choice)."""
         items = [
             (f"round {self.round} reply of {e.client_id}", packets[e])
             for e in sorted(packets, key=lambda e: e.client_id)
         ]
-        summary = aggregate_packets(self.run_dir, items, drop_outliers=True, sampled=self.sampled)
+        summary = aggregate_packets(self.run_dir, items, drop_outliers=True, sampled=self.sampled, reports=reports)
         self._next_round()
         return summary
 
@@ -205,31 +206,6 @@ class Coordinator:
     def log(self, records: list[dict]) -> None:
         """Add ``records`` to ``RUN/fleet/log.jsonl``, each stamped with the time."""
         append_jsonl(self.folder.fleet_log, [{"time": time.time(), **r} for r in records])
-
-
-MAX_REPORT = 1 << 16  # bytes of an edge's summary JSON
-_SCALARS = (str, int, float, bool, type(None))
-
-
-def edge_report(raw: object) -> dict:
-    """What an edge says about its round, fit for the log: a JSON object of at most ``MAX_REPORT``
-    bytes, keeping only its scalar fields (finite numbers, strings up to 200 characters). It is the
-    edge's claim, not a fact the cloud relies on; a malformed one is a refusal like a bad packet."""
-    if not isinstance(raw, str) or len(raw) > MAX_REPORT:
-        raise PacketError(f"the edge's summary is not a JSON text of at most {MAX_REPORT} bytes")
-    try:
-        report = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise PacketError("the edge's summary is not valid JSON") from None
-    if not isinstance(report, dict):
-        raise PacketError("the edge's summary is not a JSON object")
-    return {
-        str(k)[:64]: v
-        for k, v in list(report.items())[:64]
-        if isinstance(v, _SCALARS)
-        and not (isinstance(v, float) and not math.isfinite(v))
-        and not (isinstance(v, str) and len(v) > 200)
-    }
 
 
 def validation_line(report: dict) -> str | None:

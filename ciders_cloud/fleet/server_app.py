@@ -25,9 +25,10 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report, refusal, validation_line
+from ciders_cloud.fleet.coordinator import Coordinator, Edge, refusal, validation_line
 from ciders_cloud.fleet.secure import MIN_EDGES, CountingGrid, fit_ins, secure_sum
 from ciders_cloud.fleet.serve import ServeSettings
+from ciders_cloud.round.reports import edge_report
 from ciders_cloud.run.folder import RunFolder
 from ciders_edge.errors import CidersError, StateError
 from ciders_edge.fleet.lifetime import end_with_parent
@@ -188,7 +189,7 @@ def plain_train(grid, context, co: Coordinator, s: ServeSettings, requests: dict
         records[e].setdefault("status", f"no reply to training within {s.round_timeout:g} s")
     if not accepted and not co.private:  # a private round releases its noise whoever answered (its sample stands)
         return None
-    summary = co.close_round(accepted)
+    summary = co.close_round(accepted, {e.client_id: records[e]["edge"] for e in accepted})
     for e in accepted:
         records[e]["status"] = summary["dropped"].get(e.client_id, "aggregated")
     return summary

@@ -32,6 +32,7 @@ from ciders_cloud.strategies import CloudRound, strategy_for
 from ciders_cloud.strategies.aggregation import layer_means, participation_weights, reconstruct_displacement
 from ciders_edge.errors import PacketError
 from ciders_edge.tensors import Tensors, add, norm
+from ciders_edge.training.fleet_evidence import FleetEvidence
 
 __all__ = ["aggregate_packets", "aggregate_files"]
 
@@ -42,10 +43,12 @@ def aggregate_files(
     device: str | torch.device = "cpu",
     sampled: list[str] | None = None,
     noise_seed: int | None = None,
+    reports: dict[str, dict] | None = None,
 ) -> dict:
     """The CLI's body: read packet files and run :func:`aggregate_packets` (its TAKD, fidelity and
     strategy's own work on ``device``; ``sampled``: the round's drawn clients, when it drew some;
-    ``noise_seed``: a study's seed, which its DP noise is drawn from)."""
+    ``noise_seed``: a study's seed, which its DP noise is drawn from; ``reports``: the clients' round
+    summaries by id)."""
     device = cloud_device(device)
     items = []
     for path in packet_paths:
@@ -53,7 +56,9 @@ def aggregate_files(
         if not path.is_file():
             raise PacketError(f"{path}: no such packet file")
         items.append((str(path), path.read_bytes()))
-    return aggregate_packets(Path(run_dir), items, device=device, sampled=sampled, noise_seed=noise_seed)
+    return aggregate_packets(
+        Path(run_dir), items, device=device, sampled=sampled, noise_seed=noise_seed, reports=reports
+    )
 
 
 def aggregate_packets(
@@ -63,6 +68,7 @@ def aggregate_packets(
     device: str | torch.device = "cpu",
     sampled: list[str] | None = None,
     noise_seed: int | None = None,
+    reports: dict[str, dict] | None = None,
 ) -> dict:
     """Eq. (11)–(13) for one round; returns a summary of what happened.
 
@@ -73,6 +79,8 @@ def aggregate_packets(
     the state stays on the CPU. ``sampled`` names the clients the round drew (simulate's and the fleet's);
     a private run that samples needs it, and refuses a packet from a client outside it. A private round's
     noise comes from a fresh OS seed, or from ``noise_seed`` and the round in a study (it repeats).
+    ``reports`` (each client's round summary, by id) pool into the next bundles' evidence for the deployed
+    choice; a private run pools none, as the numbers describe each client's data beside the noise.
     """
     device = cloud_device(device)
     opened = open_round(run_dir, secure=False)
@@ -116,9 +124,18 @@ def aggregate_packets(
         "bytes_up": {r.packet.client_id: r.size for r in received},
         "delta_norms": {r.packet.client_id: norm(d) for r, d in zip(received, deltas, strict=True)},
     }
+    evidence = None if release else FleetEvidence.pool(_reported(reports, round_["clients"]), state.round)
+    fleet_choice = evidence.to_dict() if evidence else None
     closing = {"bilevel": bilevel, "dropped": dropped, **({"privacy": privacy} if privacy is not None else {})}
-    new = replace(state, clients=new_clients, last_round_digests=digests)
+    if fleet_choice:
+        closing["fleet_choice"] = fleet_choice
+    new = replace(state, clients=new_clients, last_round_digests=digests, fleet_choice=fleet_choice)
     return commit_round(run_dir, run, state, new, hp, backbones, mean, round_, closing)
+
+
+def _reported(reports: dict[str, dict] | None, clients: list[str]) -> list[dict]:
+    """The summaries of the clients whose packets the round took, in their order."""
+    return [reports[c] for c in clients if c in reports] if reports else []
 
 
 def _reconstruct(received: list[Received], state: ServerState, hp) -> tuple[list[Tensors], dict[str, Tensors]]:

@@ -24,6 +24,7 @@ from ciders_edge.model.lora import peft_config
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import DeviceProfile
 from ciders_edge.progress import console
+from ciders_edge.training.fleet_evidence import MANIFEST_KEY as FLEET_KEY
 
 __all__ = ["write_bundles", "bundle_contents", "bundle_takd_loss", "deployments", "frozen_weights", "TAKD_LOSS_KEYS"]
 
@@ -81,6 +82,8 @@ def bundle_contents(
     }
     if (release := PrivateRelease.of(run)) is not None:  # what v and c have spent: the round's releases so far
         manifest["privacy"] = release.spent(state.round).to_dict()
+    if state.fleet_choice is not None:  # the last round's validation, pooled (fleet_evidence.py)
+        manifest[FLEET_KEY] = state.fleet_choice
     full = models.full_backbone() if deploy == "full" else None
     consensus = models.to_own(state.consensus)
     return BundleContents(

@@ -53,5 +53,6 @@ def aggregate_secure(
     weights = release.weights(len(clients)) if release else [1.0 / len(clients)] * len(clients)
     round_ = {"clients": list(clients), "weights": weights, "secure": True}
     closing = {"dropped": {}, **({"privacy": privacy} if privacy is not None else {})}
-    new = replace(state, summed={**state.summed, **dict.fromkeys(clients, state.round)}, last_round_digests=[])
+    summed = {**state.summed, **dict.fromkeys(clients, state.round)}
+    new = replace(state, summed=summed, last_round_digests=[], fleet_choice=None)  # a secure round reports nothing
     return commit_round(run_dir, run, state, new, hp, backbones, mean, round_, closing)

@@ -25,6 +25,7 @@ FIELDS = {  # state.json, checked on load
     "rng": optional(OBJECT),
     "last_round_digests": optional(list_of(STR)),
     "last_summary": optional(Field("an object or null", lambda v: v is None or isinstance(v, dict))),
+    "fleet_choice": optional(Field("an object or null", lambda v: v is None or isinstance(v, dict))),
     "summed": optional(
         Field(
             "an object of rounds",
@@ -54,6 +55,8 @@ class ServerState:
     last_summary: dict = field(default_factory=dict)  # what that aggregation reported
     # secure aggregation: the last round whose secure sum held each client (the cloud holds no c_i then)
     summed: dict[str, int] = field(default_factory=dict)
+    # the last round's validation summaries pooled (ciders_edge.training.fleet_evidence), for the next bundles
+    fleet_choice: dict | None = None
 
     def check_mode(self, secure: bool, run_dir: str | Path) -> None:
         """A run stays plain (the cloud's c_i copies reconstruct each packet) or secure (the cloud holds no c_i):
@@ -87,6 +90,7 @@ class ServerState:
             "last_round_digests": self.last_round_digests,
             "last_summary": self.last_summary,
             **({"summed": self.summed} if self.summed else {}),  # a plain run's state.json is as it was
+            **({"fleet_choice": self.fleet_choice} if self.fleet_choice is not None else {}),
         }
         save_state_dir(Path(path), tensors, meta)
 
@@ -108,6 +112,7 @@ class ServerState:
             meta.get("last_round_digests", []),
             meta.get("last_summary", {}),
             meta.get("summed") or {},
+            meta.get("fleet_choice"),
         )
 
 

@@ -74,7 +74,8 @@ def run_rounds(
         jobs = [_job(study, t, cid, profiles, cfg, probe_answer=probed.get("path")) for cid in participants]
         outputs = engine.run(t, jobs, {cid: f"{strategy.name}{profiles.label(cid)}" for cid in participants})
         packets = [study.packet(t, cid) for cid in participants]
-        agg = aggregate_files(run.root, packets, device, sampled=participants, noise_seed=cfg.seed)
+        reports = {cid: outputs[cid].summary for cid in participants}  # validation's evidence, for the next bundle
+        agg = aggregate_files(run.root, packets, device, sampled=participants, noise_seed=cfg.seed, reports=reports)
         round_committed(study, t)
         hp = round_hyperparams_for(load_run(run.root), t)
         deltas = {cid: profiles.to_v_names(cid, o.delta_sent) for cid, o in outputs.items()}
@@ -217,6 +218,7 @@ def _round_record(
         **({"backbones": agg["backbones"]} if "backbones" in agg else {}),  # each one's TAKD cost and fidelity
         **(probed.get("bilevel") or agg.get("bilevel") or {}),  # the strategy's report of its exchange or its step
         **({"privacy": _privacy_record(agg["privacy"])} if "privacy" in agg else {}),
+        **({"fleet_choice": agg["fleet_choice"]} if "fleet_choice" in agg else {}),  # the next bundles' evidence
     }
 
 

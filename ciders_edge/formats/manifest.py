@@ -15,6 +15,8 @@ from ciders_edge.hyperparams import RoundHyperparams
 from ciders_edge.model.lora import LoraSettings
 from ciders_edge.model.split import SplitSpec
 from ciders_edge.profiles import BACKBONES, DTYPES, DeviceProfile
+from ciders_edge.training.fleet_evidence import MANIFEST_KEY as FLEET_KEY
+from ciders_edge.training.fleet_evidence import FleetEvidence
 
 __all__ = ["read_manifest", "validate_manifest", "MANIFEST", "FORMAT", "FORMAT_VERSION", "CORE_FILES"]
 
@@ -166,6 +168,8 @@ def _check_settings(m: dict, where: Path) -> None:
     for key, cls in (("lora", LoraSettings), ("backbone_lora", LoraSettings), ("hyperparameters", RoundHyperparams)):
         _check_dataclass(m[key], cls, f"{where}: manifest field {key!r}")
     _check_dataclass(m["profile"], DeviceProfile, f"{where}: manifest field 'profile'")
+    if m.get(FLEET_KEY) is not None:
+        _check_dataclass(m[FLEET_KEY], FleetEvidence, f"{where}: manifest field {FLEET_KEY!r}")
     if not isinstance(m["profile"].get("name"), str):
         raise BundleError(f"{where}: manifest field 'profile' needs a string name")
 

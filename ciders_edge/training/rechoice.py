@@ -20,6 +20,7 @@ from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
 from ciders_edge.formats.lock import folder_lock
 from ciders_edge.profiles import keeps_quantized, load_profile
+from ciders_edge.training.fleet_evidence import FleetEvidence
 from ciders_edge.training.round import deployed_backbone, round_hyperparams
 from ciders_edge.training.validation import rechoose
 
@@ -51,7 +52,7 @@ def choose_again(
             raise ConfigError(f"{data}: no validation slice to choose on (--val-fraction {val_fraction:g})")
         v = {k: t.float() for k, t in b.messenger_lora().items()}
         x = {k: t.float() for k, t in state.personalized.items()}
-        result = rechoose(edge, val, v, x, _kept(state), (b.round, state.round))
+        result = rechoose(edge, val, v, x, _kept(state), (b.round, state.round), FleetEvidence.of(b.manifest))
         result.keep_in(state)
         state.save(state_dir)
     seconds = round(time.perf_counter() - started, 3)

@@ -41,6 +41,7 @@ from ciders_edge.profiles import (
 from ciders_edge.tensors import Tensors, add, non_finite, norm
 from ciders_edge.training.bilevel import client_gradients
 from ciders_edge.training.equations import clip_displacement, reconstruct_displacement
+from ciders_edge.training.fleet_evidence import FleetEvidence
 from ciders_edge.training.local_steps import LocalResult, local_update
 from ciders_edge.training.objective import MessengerObjective
 from ciders_edge.training.validation import Validation, validate
@@ -252,7 +253,9 @@ def _validate(edge: EdgeModel, val: list[Example], before: ClientState | None, o
     new, bundle = output.state, edge.bundle
     v = {k: t.float() for k, t in bundle.messenger_lora().items()}
     kept = (before.best, before.best_info) if before is not None and before.best else None
-    result = validate(edge, val, v, new.personalized, kept, (bundle.round, new.round))
+    result = validate(
+        edge, val, v, new.personalized, kept, (bundle.round, new.round), FleetEvidence.of(bundle.manifest)
+    )
     result.keep_in(new)
     return result
 

@@ -17,7 +17,7 @@ scored worse than the model the device started from.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -28,6 +28,7 @@ from ciders_edge.inference.evaluate import backbone_batches
 from ciders_edge.model.adapemu import EdgeModel
 from ciders_edge.model.forward import BackboneBatch, response_logits
 from ciders_edge.tensors import Tensors
+from ciders_edge.training.fleet_evidence import FleetEvidence
 
 __all__ = [
     "BASE_MARGIN",
@@ -119,7 +120,7 @@ class Choice:
     nll: float = float("inf")
     exact_match: float | None = None
     scored_round: int = -1  # the round it was last scored in, on that round's backbone
-    se: float = 0.0  # paired standard error of its NLL gap to this round's personalized messenger (its own: 0)
+    se: float = 0.0  # paired standard error of its NLL gap to the reference, the first candidate (its own: 0)
     base_se: float = 0.0  # ... and of its gap to the base model's
 
     @property
@@ -147,6 +148,8 @@ class Validation:
     best: Choice
     best_tensors: Tensors
     kept: Choice | None = None  # the state's best from before, scored again beside them
+    evidence: dict = field(default_factory=dict)  # what the fleet pools (fleet_evidence.REPORT_KEYS)
+    fleet: FleetEvidence | None = None  # the bundle's pooled evidence the choice used
 
     def keep_in(self, state) -> None:
         """Make the state's deployed messenger this validation's best, with its scores (a ClientState)."""
@@ -166,26 +169,39 @@ class Validation:
                 out[f"val_em_{c.name}"] = c.exact_match
         if self.kept is not None:
             out["val_nll_kept"] = self.kept.nll
-        return {**out, "deployed": self.best.label(), "deployed_nll": self.best.nll}
+        if self.fleet is not None:
+            out["val_fleet_round"] = self.fleet.round
+        return {**out, **self.evidence, "deployed": self.best.label(), "deployed_nll": self.best.nll}
 
 
-def deployable(choices: list[Choice], margin: float = SE_MARGIN, base_margin: float | None = BASE_MARGIN) -> int:
-    """The index of the lowest NLL plus ``margin`` standard errors: the first choice (this round's personalized
-    messenger, whose own ``se`` is 0) unless a rival's NLL is lower by more than that. Then the base model's
-    test: the pick stays only if its NLL is below the base model's by at least ``base_margin`` standard errors
-    of their gap (None: no such test), since a device must not deploy what it cannot tell from worse than
-    the model it started with. A messenger that is the base model's to the bit (round 0's global) stays."""
+def deployable(
+    choices: list[Choice],
+    margin: float = SE_MARGIN,
+    base_margin: float | None = BASE_MARGIN,
+    fleet: FleetEvidence | None = None,
+) -> int:
+    """The index of the lowest NLL plus ``margin`` standard errors: the first choice (the reference, whose
+    own ``se`` is 0) unless a rival's NLL is lower by more than that. Then the base model's test: the pick
+    stays only if its NLL is below the base model's by at least ``base_margin`` standard errors of their gap
+    (None: no such test), since a device must not deploy what it cannot tell from worse than the model it
+    started with. With the ``fleet``'s prior the gap and its error are the posterior's (fleet_evidence.py).
+    A messenger that is the base model's to the bit (round 0's global) stays."""
     pick = min(range(len(choices)), key=lambda i: choices[i].nll + margin * choices[i].se)
     base = next((i for i, c in enumerate(choices) if c.messenger == "base"), None)
-    if base is None or base_margin is None:
+    if base is None or base_margin is None or pick == base:
         return pick
-    beats_base = choices[pick].nll + base_margin * choices[pick].base_se <= choices[base].nll  # a tie: the pick
+    if fleet is None:
+        beats_base = choices[pick].nll + base_margin * choices[pick].base_se <= choices[base].nll  # a tie: the pick
+    else:
+        gap, sd = fleet.posterior(choices[pick].nll - choices[base].nll, choices[pick].base_se)
+        beats_base = gap + base_margin * sd <= 0
     return pick if beats_base else base
 
 
 def rivals_of(x: Tensors, v: Tensors, rounds: tuple[int, int]) -> list[tuple[Choice, Tensors]]:
-    """This round's candidates and their tensors, personalized first: on a tie the first wins (this round's
-    over a kept one, the federation's over the base). ``rounds``: (the bundle's round, the state's)."""
+    """This round's candidates and their tensors: personalized, global, the mixtures, base, in this order
+    (:func:`_choose` reads it so). On a tie the first wins (this round's over a kept one, the federation's
+    over the base). ``rounds``: (the bundle's round, the state's)."""
     bundle_round, trained_round = rounds
     return [
         (Choice("personalized", trained_round), x),
@@ -202,24 +218,32 @@ def validate(
     x: Tensors,
     kept: tuple[Tensors, dict] | None,
     rounds: tuple[int, int],
+    fleet: FleetEvidence | None = None,
 ) -> Validation:
     """Score the candidates on ``edge`` (the backbone the device deploys) and pick the lowest NLL plus
     standard error: a rival must beat this round's personalized messenger by more than the slice's noise.
 
     ``v``: the bundle's global messenger; ``x``: this round's personalized one; ``kept``: the state's best
-    so far and its :class:`Choice` fields; ``rounds``: (the bundle's round, the state's)."""
-    return _choose(edge, val, rivals_of(x, v, rounds), _kept(kept) if kept else None, rounds[0])
+    so far and its :class:`Choice` fields; ``rounds``: (the bundle's round, the state's); ``fleet``: the
+    bundle's pooled evidence, which can make the global messenger the reference and shrinks the base test."""
+    return _choose(edge, val, rivals_of(x, v, rounds), _kept(kept) if kept else None, rounds[0], fleet)
 
 
 def rechoose(
-    edge: EdgeModel, val: list[Example], v: Tensors, x: Tensors, kept: tuple[Tensors, dict], rounds: tuple[int, int]
+    edge: EdgeModel,
+    val: list[Example],
+    v: Tensors,
+    x: Tensors,
+    kept: tuple[Tensors, dict],
+    rounds: tuple[int, int],
+    fleet: FleetEvidence | None = None,
 ) -> Validation:
     """Choose again on a newer bundle, without training: a device not sampled for rounds chose against
     an older global messenger, and the federation has moved on (issue 58's study: such clients held
     messengers 0.05 nats worse than the newest global). The kept best comes first, the messenger a rival
     must beat by a standard error; then the newer global, the latest personalized messenger ``x``, their
     mixtures and the base model. Arguments as :func:`validate`'s; ``rounds[1]``: the round ``x`` trained."""
-    return _choose(edge, val, rivals_of(x, v, rounds), _kept(kept), rounds[0], kept_first=True)
+    return _choose(edge, val, rivals_of(x, v, rounds), _kept(kept), rounds[0], fleet, kept_first=True)
 
 
 def _kept(kept: tuple[Tensors, dict]) -> tuple[Choice, Tensors]:
@@ -233,13 +257,16 @@ def _choose(
     rivals: list[tuple[Choice, Tensors]],
     kept: tuple[Choice, Tensors] | None,
     bundle_round: int,
+    fleet: FleetEvidence | None,
     kept_first: bool = False,
 ) -> Validation:
-    """Score the candidates on the slice, each gap's standard error against the first (``rivals[0]``, or
-    the kept best when ``kept_first``) and against the base model, and keep :func:`deployable`'s pick."""
-    candidates = rivals + ([kept] if kept else [])
-    if kept_first:
-        candidates = [kept, *rivals]
+    """Score the candidates on the slice, each gap's standard error against the first (``rivals[0]``, the
+    kept best when ``kept_first``, the global messenger when the fleet says so) and against the base model,
+    and keep :func:`deployable`'s pick."""
+    candidates = [kept, *rivals] if kept_first else rivals + ([kept] if kept else [])
+    if fleet is not None and fleet.global_first:  # personalization lost across the fleet: v is the reference
+        newest = next(i for i, (c, _) in enumerate(candidates) if c is rivals[1][0])
+        candidates.insert(0, candidates.pop(newest))
     batches = backbone_batches(edge, val)
     scores = []
     for choice, tensors in candidates:
@@ -247,10 +274,18 @@ def _choose(
         scores.append(messenger_scores(edge, batches))
         choice.nll, choice.exact_match, choice.scored_round = scores[-1].nll, scores[-1].exact_match, bundle_round
         choice.se = paired_se(scores[0], scores[-1]) if len(scores) > 1 else 0.0
-    base = next(s for (c, _), s in zip(candidates, scores, strict=True) if c.messenger == "base")
-    for (choice, _), s in zip(candidates, scores, strict=True):
-        choice.base_se = paired_se(s, base) if choice.messenger != "base" else 0.0
-    best, tensors = candidates[deployable([c for c, _ in candidates])]
+    scored = {id(c): s for (c, _), s in zip(candidates, scores, strict=True)}
+    base = scored[id(rivals[-1][0])]
+    for choice, _ in candidates:
+        choice.base_se = paired_se(scored[id(choice)], base) if choice.messenger != "base" else 0.0
+    best, tensors = candidates[deployable([c for c, _ in candidates], fleet=fleet)]
+    personalized, global_ = (scored[id(c)] for c, _ in rivals[:2])
+    evidence = {  # what the fleet pools (fleet_evidence.REPORT_KEYS)
+        "val_gap_personalized_global": personalized.nll - global_.nll,
+        "val_se_personalized_global": paired_se(personalized, global_),
+    }
+    if best.messenger != "base":
+        evidence |= {"val_gap_deployed_base": best.nll - base.nll, "val_se_deployed_base": best.base_se}
     return Validation(
         len(val),
         scores[0].short,
@@ -258,4 +293,6 @@ def _choose(
         best,
         {k: t.detach().clone() for k, t in tensors.items()},
         kept[0] if kept else None,
+        evidence,
+        fleet,
     )

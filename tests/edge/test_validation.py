@@ -7,7 +7,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ciders_cloud.fleet.coordinator import edge_report, validation_line
+from ciders_cloud.fleet.coordinator import validation_line
+from ciders_cloud.round.reports import edge_report
 from ciders_edge.cli import app as edge_app
 from ciders_edge.data.holdout import hold_out, validation_size
 from ciders_edge.data.records import Example, collate, encode, load_examples, read_examples, record_key
@@ -368,6 +369,32 @@ def test_the_kept_best_is_the_reference_a_rival_must_beat(newer, demo_dir):
     assert se["personalized"] > 0  # the personalized messenger's gap has a standard error against it
     choices = [result.kept, *result.scores]
     assert result.best.nll == choices[deployable(choices)].nll
+
+
+def test_where_the_fleet_found_personalization_lost_the_global_messenger_is_the_reference(newer, demo_dir):
+    """The bundle's evidence says personalized − global was 0.02 ± 0.01 across the fleet: the newest global
+    comes first (its own se 0) and every rival's error is against it, the kept best's too."""
+    from ciders_edge.data.records import load_examples
+    from ciders_edge.training.fleet_evidence import FleetEvidence
+    from ciders_edge.training.round import deployed_backbone
+    from ciders_edge.training.validation import rechoose, validate
+
+    bundle, state_dir = newer
+    b, state = Bundle.load(bundle), ClientState.load(state_dir)
+    edge = deployed_backbone(b, None, False)
+    val = hold_out(load_examples(demo_dir / "units" / "train.jsonl", edge.tokenizer, 128), 0.1)[1]
+    v = {k: t.float() for k, t in b.messenger_lora().items()}
+    fleet = FleetEvidence(0, 3, 0.02, 0.01, -0.05, 0.0)
+    kept = (state.personalized, {"messenger": "personalized", "round": 0, "alpha": None})  # earlier tests moved best
+    for result in (
+        rechoose(edge, val, v, state.personalized, kept, (1, 0), fleet),
+        validate(edge, val, v, state.personalized, kept, (1, 0), fleet),
+    ):
+        se = {c.name: c.se for c in result.scores}
+        assert se["global"] == 0 and se["personalized"] > 0 and result.kept.se > 0
+        assert result.summary()["val_fleet_round"] == 0
+    own = rechoose(edge, val, v, state.personalized, kept, (1, 0))  # no evidence: the kept best leads
+    assert own.kept.se == 0 and {c.name: c.se for c in own.scores}["global"] > 0
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.fleet.certs import make_certs
-from ciders_cloud.fleet.coordinator import Coordinator, Edge, edge_report
+from ciders_cloud.fleet.coordinator import Coordinator, Edge
 from ciders_cloud.fleet.serve import ServeSettings, _wait_for_earlier, check_aggregation
+from ciders_cloud.round.reports import edge_report
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_edge.cli import app as edge_cli
