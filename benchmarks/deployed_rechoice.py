@@ -9,9 +9,11 @@ best, the newest global messenger, its latest personalized one, their mixtures a
 (which candidate is the reference a rival must beat by ``margin`` paired standard errors; :func:`~ciders_edge.
 training.validation.rechoose` takes the kept best) is judged on ``--judge-records`` held-out records against
 issue 58's targets: within ``--tolerance`` nats of the better of {latest personalized, newest global}, and
-not worse than the base model. The first row keeps the choice as it is (no re-choice); the last rows add the
-base model's test (:func:`~ciders_edge.training.validation.deployable`'s ``base_margin``). ``--saved`` judges
-the rules again on a results file's per-record slice losses and judge NLLs, without running a model.
+not worse than the base model. The first row keeps the choice as it is (no re-choice); the next rows add the
+base model's test (:func:`~ciders_edge.training.validation.deployable`'s ``base_margin``); the last one takes
+the fleet's evidence (:mod:`ciders_edge.training.fleet_evidence`), pooled here from every client's slice on
+this one bundle, where a bundle carries the last round's sampled clients' reports. ``--saved`` judges the
+rules again on a results file's per-record slice losses and judge NLLs, without running a model.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from deployed_judge import StudyClients, judge_parser, open_study  # noqa: E402
 from deployed_rules import cells, targets  # noqa: E402
 
 from ciders_edge.inference.evaluate import backbone_batches  # noqa: E402
+from ciders_edge.training.fleet_evidence import FleetEvidence  # noqa: E402
 from ciders_edge.training.validation import (  # noqa: E402
     BASE_MARGIN,
     SE_MARGIN,
@@ -40,11 +43,14 @@ from ciders_edge.training.validation import (  # noqa: E402
 )
 
 DEVICE = ("kept", SE_MARGIN, BASE_MARGIN)  # reference, margin, base margin: ``ciders-edge validate``'s rule
+FLEET = ("fleet", SE_MARGIN, BASE_MARGIN)  # ... with a bundle's evidence: the fleet picks the reference
 RULES = (
     *(("kept", m, None) for m in (0.0, SE_MARGIN, 2.0)),
     ("global", SE_MARGIN, None),
     ("personalized", SE_MARGIN, None),
     *(("kept", SE_MARGIN, b) for b in sorted({0.0, 1.0, 2.0, BASE_MARGIN})),
+    ("global", SE_MARGIN, BASE_MARGIN),
+    FLEET,
 )
 
 
@@ -83,10 +89,17 @@ def _scores(c: dict) -> Scores:
     return Scores(c["slice"], None, 0, torch.tensor(c["nll"], dtype=torch.float64), torch.tensor(c["tokens"]).double())
 
 
-def pick(cands: list[dict], reference: str | None, margin: float, base_margin: float | None) -> dict:
+def pick(
+    cands: list[dict],
+    reference: str | None,
+    margin: float,
+    base_margin: float | None,
+    fleet: FleetEvidence | None = None,
+) -> dict:
     """The candidate a rule deploys: ``reference`` (None: keep the kept best as it is) unless a rival's slice
     NLL is lower by more than ``margin`` standard errors of its gap to the reference; then, unless
-    ``base_margin`` is None, the base model unless the pick beats it by that many standard errors."""
+    ``base_margin`` is None, the base model unless the pick beats it by that many standard errors (of the
+    posterior, with the ``fleet``'s prior)."""
     by_name = {c["name"]: c for c in cands}
     if reference is None:
         return by_name["kept"]
@@ -100,15 +113,39 @@ def pick(cands: list[dict], reference: str | None, margin: float, base_margin: f
         )
         for c, s in zip(ordered, scores, strict=True)
     ]  # fmt: skip
-    return ordered[deployable(choices, margin, base_margin)]
+    return ordered[deployable(choices, margin, base_margin, fleet)]
+
+
+def fleet_of(clients: dict[str, dict]) -> FleetEvidence | None:
+    """The evidence the clients' reports would pool to: each one's personalized − global gap, and the gap to
+    the base model of what it deploys by the device's own rule."""
+    reports = []
+    for c in clients.values():
+        by = {x["name"]: x for x in c["candidates"]}
+        personalized, global_, base = (_scores(by[n]) for n in ("personalized", "global", "base"))
+        report = {
+            "val_gap_personalized_global": personalized.nll - global_.nll,
+            "val_se_personalized_global": paired_se(personalized, global_),
+        }
+        deployed = pick(c["candidates"], *DEVICE)
+        if deployed["name"] != "base" and deployed["slice"] != by["base"]["slice"]:
+            own = _scores(deployed)
+            report |= {"val_gap_deployed_base": own.nll - base.nll, "val_se_deployed_base": paired_se(own, base)}
+        reports.append(report)
+    return FleetEvidence.pool(reports, -1)
 
 
 def judge_rule(clients: dict[str, dict], rule: tuple[str | None, float, float | None], tolerance: float) -> dict:
     """The targets' figures for the choices of ``rule`` (reference, margin, base margin), and how many of the
     stale clients' are within."""
     reference, margin, base_margin = rule
-    picked = [(pick(c["candidates"], *rule), c["candidates"]) for c in clients.values()]
-    row = {"reference": reference, "margin": margin, "base_margin": base_margin, **targets(picked, tolerance)}
+    fleet = fleet_of(clients) if reference == "fleet" else None
+    if reference == "fleet":
+        reference = "global" if fleet and fleet.global_first else "kept"
+    picked = [(pick(c["candidates"], reference, margin, base_margin, fleet), c["candidates"]) for c in clients.values()]
+    row = {"reference": rule[0], "margin": margin, "base_margin": base_margin, **targets(picked, tolerance)}
+    if fleet is not None:
+        row["fleet"] = {**fleet.to_dict(), "reference": reference}
     stale = [gap <= tolerance for c, gap in zip(clients.values(), row["gaps"], strict=True) if c["stale_rounds"] > 0]
     return {**row, "stale_within": sum(stale), "stale": len(stale)}
 
@@ -116,9 +153,18 @@ def judge_rule(clients: dict[str, dict], rule: tuple[str | None, float, float | 
 def _label(r: dict) -> str:
     if r["reference"] is None:
         return "no re-choice (the kept best)"
-    device = " (`ciders-edge validate`)" if (r["reference"], r["margin"], r.get("base_margin")) == DEVICE else ""
+    rule = (r["reference"], r["margin"], r.get("base_margin"))
+    device = {DEVICE: " (`ciders-edge validate` alone)", FLEET: " (`ciders-edge validate` with a bundle's evidence)"}
     base = "" if r.get("base_margin") is None else f", beats base by {r['base_margin']:g} SE"
-    return f"reference {r['reference']}, margin {r['margin']:g} SE{base}{device}"
+    if r["reference"] == "fleet":  # the reference the evidence picked, and why
+        f = r.get("fleet") or {}
+        why = (
+            "no evidence"
+            if not f
+            else f"{f['reference']}: personalized − global {f['personalized_gap']:+.4f} ± {f['personalized_se']:.4f}"
+        )
+        return f"fleet's reference ({why}), margin {r['margin']:g} SE{base}{device[rule]}"
+    return f"reference {r['reference']}, margin {r['margin']:g} SE{base}{device.get(rule, '')}"
 
 
 def main() -> None:
