@@ -30,7 +30,7 @@ from ciders_cloud.run.folder import StudyFolder
 from ciders_cloud.run.server_state import ServerState
 from ciders_cloud.study.config import SimConfig
 from ciders_cloud.study.round_loop import evaluated_after
-from ciders_cloud.study.simulate import client_ids, client_records
+from ciders_cloud.study.simulate import client_ids, client_records, without_where
 from ciders_edge.data.holdout import hold_out
 from ciders_edge.data.records import Example, load_examples, read_jsonl
 from ciders_edge.formats.atomic import write_json, write_jsonl
@@ -82,9 +82,20 @@ def judge_records(study: StudyFolder, cfg: SimConfig, records: int) -> dict[str,
     ``records`` of those at most, as a few may be too long to score."""
     ids = client_ids(cfg.clients)
     paths = {c: study.eval_data(c) for c in ids}
-    short = [c for c in ids if len(read_jsonl(paths[c])) < records]
+    evals = {c: read_jsonl(p) for c, p in paths.items()}
+    short = [c for c in ids if len(evals[c]) < records]
     if not short or not cfg.max_records:
         return paths
+    topped = {c: study.root / JUDGED / "records" / f"{c}.jsonl" for c in short}
+    if missing := [c for c in short if not topped[c].is_file()]:  # Dolly partitioned again only to write them
+        parts, _ = client_records(cfg)
+        public = Path(cfg.public_data) if cfg.public_data else study.public_data
+        rows = [*evals.values(), *(read_jsonl(study.train_data(c)) for c in ids), read_jsonl(public)]
+        used = {_key(r) for part in rows for r in part}
+        for cid in missing:
+            unused = [r for r in parts[ids.index(cid)][cfg.max_records :] if _key(r) not in used]
+            write_jsonl(topped[cid], without_where(evals[cid] + unused[: 2 * records]))
+    return {**paths, **topped}
     parts, _ = client_records(cfg)
     public = Path(cfg.public_data) if cfg.public_data else study.public_data
     used = {_key(r) for f in [*paths.values(), *map(study.train_data, ids), public] for r in read_jsonl(f)}
@@ -92,17 +103,12 @@ def judge_records(study: StudyFolder, cfg: SimConfig, records: int) -> dict[str,
         path = paths[cid] = study.root / JUDGED / "records" / f"{cid}.jsonl"
         if not path.is_file():
             unused = [r for r in parts[ids.index(cid)][cfg.max_records :] if _key(r) not in used]
-            write_jsonl(path, [_clean(r) for r in read_jsonl(study.eval_data(cid)) + unused[: 2 * records]])
+            write_jsonl(path, without_where(read_jsonl(study.eval_data(cid)) + unused[: 2 * records]))
     return paths
 
 
 def _key(record: dict) -> str:
-    return json.dumps(_clean(record), sort_keys=True)
-
-
-def _clean(record: dict) -> dict:
-    """A record without ``read_jsonl``'s ``_where`` (the line it came from)."""
-    return {k: v for k, v in record.items() if k != "_where"}
+    return json.dumps(without_where([record])[0], sort_keys=True)
 
 
 def judge_parser(description: str) -> argparse.ArgumentParser:

@@ -36,7 +36,15 @@ from ciders_edge.errors import ConfigError
 from ciders_edge.formats.atomic import write_json, write_jsonl
 from ciders_edge.hyperparams import RoundHyperparams
 
-__all__ = ["SimConfig", "simulate", "prepare_study", "client_ids", "client_records", "write_client_data"]
+__all__ = [
+    "SimConfig",
+    "simulate",
+    "prepare_study",
+    "client_ids",
+    "client_records",
+    "without_where",
+    "write_client_data",
+]
 
 
 def client_ids(n: int) -> list[str]:
@@ -128,11 +136,11 @@ def write_client_data(cfg: SimConfig, study: StudyFolder, ids: list[str]) -> dic
             if len(part) <= n_eval:
                 raise ConfigError(f"{cid} has {len(part)} records: too few to hold out {n_eval} for evaluation")
             held, part = part[:n_eval], part[n_eval:]
-        write_jsonl(study.eval_data(cid), _clean(held))
-        write_jsonl(study.train_data(cid), _clean(part))
+        write_jsonl(study.eval_data(cid), without_where(held))
+        write_jsonl(study.train_data(cid), without_where(part))
         public += part[:40]
     if not cfg.public_data:
-        write_jsonl(study.public_data, _clean(public))
+        write_jsonl(study.public_data, without_where(public))
     return dict(zip(ids, labels, strict=True))
 
 
@@ -170,6 +178,6 @@ def _run_config(cfg: SimConfig, ids: list[str], study: StudyFolder) -> RunConfig
     )
 
 
-def _clean(rows: list[dict]) -> list[dict]:
+def without_where(rows: list[dict]) -> list[dict]:
     """The records without ``read_jsonl``'s ``_where`` (the line they came from)."""
     return [{k: v for k, v in r.items() if k != "_where"} for r in rows]
