@@ -105,7 +105,8 @@ def train(
             others = ", ".join(f"{k[8:]} {v:.4f}" for k, v in s.items() if k.startswith("val_nll_"))
             console.print(
                 f"  deploys {s['deployed']}: NLL {s['deployed_nll']:.4f} on {s['val_records']} held-out records "
-                f"({others}); scoring them took {s['val_seconds']:.0f} s beside training's {s['train_seconds']:.0f} s",
+                f"({others}){_fleet(s)}; scoring them took {s['val_seconds']:.0f} s beside training's "
+                f"{s['train_seconds']:.0f} s",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -135,7 +136,7 @@ def validate(
         console.print(
             f"[green]✓[/] round {s['round']} client {s['client_id']} (last trained round {s['trained_round']}): "
             f"deploys {s['deployed']}: NLL {s['deployed_nll']:.4f} on {s['val_records']} held-out records "
-            f"({others}) in {s['val_seconds']:.0f} s",
+            f"({others}){_fleet(s)} in {s['val_seconds']:.0f} s",
             highlight=False,
             soft_wrap=True,
         )
@@ -194,3 +195,11 @@ def join(
         as_json,
         lambda s: console.print("[green]✓[/] the SuperNode stopped"),
     )
+
+
+def _fleet(s: dict) -> str:
+    """How the bundle's fleet evidence weighed in the choice (ciders_edge/training/fleet_evidence.py), if it had one."""
+    if "val_fleet_round" not in s:
+        return ""
+    reference = "the global messenger" if s.get("val_fleet_global_first") else "its own"
+    return f", weighed with round {s['val_fleet_round']}'s fleet evidence (reference: {reference})"

@@ -170,7 +170,7 @@ class Validation:
         if self.kept is not None:
             out["val_nll_kept"] = self.kept.nll
         if self.fleet is not None:
-            out["val_fleet_round"] = self.fleet.round
+            out |= {"val_fleet_round": self.fleet.round, "val_fleet_global_first": self.fleet.global_first}
         return {**out, **self.evidence, "deployed": self.best.label(), "deployed_nll": self.best.nll}
 
 

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from ciders_cloud.cli import app as cloud
 from ciders_cloud.run.folder import RunFolder
 from ciders_cloud.study.simulate import simulate
+from ciders_edge.cli import app as edge
 from ciders_edge.errors import BundleError
 from ciders_edge.formats.bundle import Bundle
 from ciders_edge.formats.client_state import ClientState
@@ -127,7 +128,7 @@ def test_simulate_sends_round_ts_pooled_validation_in_round_t_plus_1s_bundle(dem
 
 def test_aggregate_pools_the_reports_it_is_given_and_refuses_a_bad_one(tiny_run, demo_dir, tmp_path):
     """The reports are the edges' claims: the bundle carries exactly what they pool to (the first test's
-    numbers), whatever the packets' own rounds scored."""
+    numbers), whatever the packets' own rounds scored; a device choosing on that bundle says it weighed them."""
     import shutil
 
     from tiny_runs import train_once
@@ -138,7 +139,8 @@ def test_aggregate_pools_the_reports_it_is_given_and_refuses_a_bad_one(tiny_run,
     claims = [_report(0.03, 0.01, -0.10, 0.01), _report(0.01, 0.02, -0.02, 0.02), _report(0.02, 0.02, -0.06, 0.01)]
     packets, reports = [], []
     for i, fam in enumerate(("arithmetic", "dates", "code")):
-        packets.append(train_once(bundle, demo_dir / fam / "train.jsonl", tmp_path / fam, f"c{i}").parent / "p.pkt")
+        data = demo_dir / fam / "train.jsonl"
+        packets.append(train_once(bundle, data, tmp_path / fam, f"c{i}", val_fraction=0.1).parent / "p.pkt")
         reports.append(tmp_path / f"{fam}.json")  # `train --json`'s output: progress, then the summary
         reports[-1].write_text("progress\n" + json.dumps({**claims[i], "client_id": f"c{i}"}))
     bad = tmp_path / "bad.json"
@@ -152,3 +154,7 @@ def test_aggregate_pools_the_reports_it_is_given_and_refuses_a_bad_one(tiny_run,
     want = FleetEvidence.pool(claims, 0).to_dict()
     assert json.loads(r.output.strip().splitlines()[-1])["fleet_choice"] == want
     assert FleetEvidence.of(Bundle.load(RunFolder(run).bundle("cpu-laptop", 1)).manifest).to_dict() == want
+    args = ["validate", "--bundle", RunFolder(run).bundle("cpu-laptop", 1), "--state", tmp_path / "dates" / "state"]
+    r = runner.invoke(edge, [*map(str, args), "--data", str(demo_dir / "dates" / "train.jsonl")])
+    assert r.exit_code == 0, r.output
+    assert "weighed with round 0's fleet evidence (reference: the global messenger)" in " ".join(r.output.split())
