@@ -204,7 +204,9 @@ def aggregate(
         for name, path in s["bundles"].items():
             console.print(f"  {name}: {path} ({s['bytes_down'][name]:,} new bytes)")
         if f := s.get("fleet_choice"):
-            reference = "the global messenger" if f["personalized_gap"] > f["personalized_se"] else "their own"
+            from ciders_edge.training.fleet_evidence import FleetEvidence
+
+            reference = "the global messenger" if FleetEvidence.from_dict(f).global_first else "their own"
             console.print(
                 f"  deployed choice: {f['reports']} edges' validation pooled; personalized − global "
                 f"{f['personalized_gap']:+.4f} ± {f['personalized_se']:.4f} nats (reference: {reference}), "
